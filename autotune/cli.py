@@ -1,0 +1,274 @@
+"""The ``autotune`` command line: run, resume, show, export."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import click
+import optuna
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from autotune.display import describe, print_selection
+from autotune.errors import UserError
+from autotune.export import EXPORTERS, export
+from autotune.hardware import Hardware
+from autotune.models import resolve_model
+from autotune.runner import SubprocessRunner
+from autotune.selector import select
+from autotune.space import SearchSpace
+from autotune.study import (
+    DEFAULT_STORAGE,
+    Objective,
+    StudySettings,
+    TrialCrashed,
+    create_or_load,
+    ensure_reference,
+    load_existing,
+    make_sampler,
+    mask_url,
+    open_storage,
+    settings_of,
+    workdir_for,
+)
+from autotune.units import budget_label, format_size, parse_size
+from trials.spec import TrialResult
+
+#: Real CPU trials build the model in this machine's memory; beyond this they can't run here.
+MAX_CPU_TRIAL_PARAMS = 500_000_000
+
+console = Console(width=100)
+err_console = Console(stderr=True, width=100)
+
+storage_option = click.option(
+    "--storage",
+    default=DEFAULT_STORAGE,
+    show_default=True,
+    help="Any SQLAlchemy URL (sqlite:///file.db, postgresql://user:pw@host/db).",
+)
+
+
+@click.group()
+@click.version_option(package_name="autotune")
+def main() -> None:
+    """Find the fastest way to train a model inside a memory budget, by measurement."""
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    # Optuna flags heartbeats, grouped TPE and metric names as experimental; they are what we want.
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+
+
+def _optimize(
+    study: optuna.Study,
+    space: SearchSpace,
+    n_trials: int,
+    timeout: float | None,
+    trial_timeout: float,
+    storage_url: str,
+) -> None:
+    settings = settings_of(study)
+    runner = SubprocessRunner(workdir_for(study.study_name), timeout_s=trial_timeout)
+    objective = Objective(study, space, runner)
+    ensure_reference(study, space)
+    study.sampler = make_sampler(study, settings.seed)
+    with Progress(
+        TextColumn("[bold]trials"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.description}"),
+        console=console,
+        transient=False,
+    ) as progress:
+        task = progress.add_task("", total=n_trials)
+
+        def on_result(trial: Any, result: TrialResult) -> None:
+            progress.update(
+                task,
+                advance=1,
+                description=f"#{trial.number} {result.status} {format_size(result.peak_bytes)}"
+                f" {describe(trial.user_attrs.get('config', {}))}",
+            )
+
+        objective.on_result = on_result
+        try:
+            study.optimize(objective, n_trials=n_trials, timeout=timeout, catch=(TrialCrashed,))
+        except KeyboardInterrupt:
+            progress.stop()
+            err_console.print(
+                f"[yellow]interrupted[/yellow]; the running trial was stopped and marked failed. "
+                f"Resume with: autotune resume --study {study.study_name} "
+                f"--storage '{mask_url(storage_url)}'"
+            )
+            sys.exit(130)
+
+
+def _report(study: optuna.Study, storage_url: str) -> None:
+    sel = select(study)
+    print_selection(console, sel, title=f"study {study.study_name}")
+    console.print(f"stored in {mask_url(storage_url)} as study '{study.study_name}'")
+
+
+@main.command()
+@click.option("--model", required=True, help="Registered model name or a path to a config.json.")
+@click.option("--budget", required=True, help="Memory budget per device, e.g. 24GB, 24GiB, 300MB.")
+@click.option("--trials", "n_trials", type=click.IntRange(min=1), default=12, show_default=True)
+@storage_option
+@click.option("--study-name", default=None, help="Default: <model>-<budget>-<backend>.")
+@click.option(
+    "--space",
+    "space_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Search space YAML (default: the packaged search_spaces/default.yaml).",
+)
+@click.option(
+    "--backend", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True
+)
+@click.option(
+    "--loss-tolerance",
+    type=click.FloatRange(min=0.0),
+    default=0.02,
+    show_default=True,
+    help="Allowed relative loss regression of lossy techniques vs the reference.",
+)
+@click.option(
+    "--trial-timeout",
+    type=click.FloatRange(min=1.0),
+    default=600.0,
+    show_default=True,
+    help="Seconds before a trial job is killed and marked failed.",
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=1.0),
+    default=None,
+    help="Stop starting new trials after this many seconds.",
+)
+@click.option("--seq-len", type=click.IntRange(min=8), default=None)
+@click.option("--global-batch-size", type=click.IntRange(min=1), default=None)
+@click.option("--seed", type=int, default=0, show_default=True)
+def run(
+    model: str,
+    budget: str,
+    n_trials: int,
+    storage: str,
+    study_name: str | None,
+    space_path: str | None,
+    backend: str,
+    loss_tolerance: float,
+    trial_timeout: float,
+    timeout: float | None,
+    seq_len: int | None,
+    global_batch_size: int | None,
+    seed: int,
+) -> None:
+    """Run (or continue) a study of real training trials."""
+    budget_bytes = parse_size(budget)
+    entry = resolve_model(model)
+    space = SearchSpace.load(space_path)
+    hardware = Hardware.detect(None if backend == "auto" else backend)
+    if hardware.backend == "cuda" and not _cuda_available():
+        raise UserError("--backend cuda: no CUDA GPU is visible to torch here")
+    if hardware.backend == "cpu" and entry.n_params > MAX_CPU_TRIAL_PARAMS:
+        raise UserError(
+            f"{entry.name} has {entry.n_params / 1e9:.1f}B parameters: too big for real CPU "
+            "trials on this machine; use a GPU (--backend cuda) or a small model"
+        )
+    gbs = global_batch_size or entry.global_batch_size
+    resolved = space.resolve(gbs, hardware)
+    settings = StudySettings(
+        model=entry.name,
+        model_config=entry.config,
+        budget_bytes=budget_bytes,
+        budget_label=budget_label(budget),
+        backend=hardware.backend,
+        seq_len=seq_len or entry.seq_len,
+        global_batch_size=gbs,
+        space=resolved.as_dict(),
+        loss_tolerance=loss_tolerance,
+        seed=seed,
+    )
+    name = study_name or settings.default_study_name()
+    study = create_or_load(open_storage(storage), name, settings)
+    for line in resolved.dropped:
+        console.print(f"[dim]unavailable here: {line}[/dim]")
+    console.print(
+        f"study '{name}': {entry.name} ({entry.n_params / 1e6:,.1f}M params), budget "
+        f"{format_size(budget_bytes)}, backend {hardware.backend}, "
+        f"{len(study.trials)} trials so far, running {n_trials} more"
+    )
+    _optimize(
+        study,
+        SearchSpace.from_dict(settings_of(study).space, "study"),
+        n_trials,
+        timeout,
+        trial_timeout,
+        storage,
+    )
+    _report(study, storage)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@main.command()
+@click.option("--study", "study_name", required=True)
+@click.option("--trials", "n_trials", type=click.IntRange(min=1), default=12, show_default=True)
+@storage_option
+@click.option("--trial-timeout", type=click.FloatRange(min=1.0), default=600.0, show_default=True)
+@click.option("--timeout", type=click.FloatRange(min=1.0), default=None)
+def resume(
+    study_name: str, n_trials: int, storage: str, trial_timeout: float, timeout: float | None
+) -> None:
+    """Continue a study by name with its stored settings."""
+    study = load_existing(open_storage(storage), study_name)
+    settings = settings_of(study)
+    console.print(f"resuming study '{study_name}': {len(study.trials)} trials so far")
+    _optimize(
+        study,
+        SearchSpace.from_dict(settings.space, "study"),
+        n_trials,
+        timeout,
+        trial_timeout,
+        storage,
+    )
+    _report(study, storage)
+
+
+@main.command()
+@click.option("--study", "study_name", default=None, help="Default: the most recent study.")
+@storage_option
+def show(study_name: str | None, storage: str) -> None:
+    """Print the trials table and the winner from the database alone."""
+    study = load_existing(open_storage(storage), study_name)
+    _report(study, storage)
+
+
+@main.command("export")
+@click.option("--study", "study_name", default=None, help="Default: the most recent study.")
+@storage_option
+@click.option("--format", "fmt", required=True, help=f"One of: {', '.join(EXPORTERS)}.")
+@click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path))
+def export_cmd(study_name: str | None, storage: str, fmt: str, out: Path) -> None:
+    """Write the winner as a DeepSpeed, Hugging Face or accelerate config."""
+    if fmt not in EXPORTERS:
+        raise UserError(f"unknown export format '{fmt}' (known: {', '.join(EXPORTERS)})")
+    study = load_existing(open_storage(storage), study_name)
+    sel = select(study)
+    if sel.winner is None:
+        raise UserError(
+            f"study '{study.study_name}' has no trial that fits {format_size(sel.budget_bytes)}"
+            " yet: nothing to export"
+        )
+    path = export(fmt, sel.winner.config, settings_of(study), out)
+    console.print(f"wrote {fmt} config of trial {sel.winner.number} to {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""What a person sees: a progress bar over trials, a results table, the winner."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from autotune.selector import Row, Selection
+from autotune.units import format_size
+
+STATUS_STYLE = {"ok": "green", "oom": "red", "failed": "magenta", "running": "yellow"}
+#: how each dimension is abbreviated in the table's config column
+SHORT: dict[str, Callable[[Any], str]] = {
+    "gradient_checkpointing": lambda v: {"off": "", "full": "ckpt", "selective": "ckpt/sel"}[v],
+    "checkpoint_every": lambda v: f"k={v}",
+    "precision": str,
+    "attention": str,
+    "optimizer": str,
+    "micro_batch_size": lambda v: f"mb={v}",
+    "zero_stage": lambda v: f"zero{v}" if v else "",
+    "offload_optimizer": lambda v: "" if v == "none" else "off-opt",
+    "offload_param": lambda v: "" if v == "none" else "off-param",
+}
+
+
+def describe(config: dict[str, Any]) -> str:
+    parts = [SHORT[k](v) if k in SHORT else f"{k}={v}" for k, v in config.items()]
+    return " ".join(p for p in parts if p)
+
+
+def _loss_cell(row: Row) -> str:
+    if row.role == "reference":
+        return "reference"
+    if row.loss_regression is None:
+        return "-"
+    cell = f"{row.loss_regression * 100:+.2f}%"
+    if row.loss_ok is False:
+        return f"[red]{cell} ✗[/red]"
+    return cell
+
+
+def results_table(sel: Selection, title: str = "trials") -> Table:
+    table = Table(title=title, title_justify="left", expand=False)
+    table.add_column("#", justify="right")
+    table.add_column("config", overflow="fold", max_width=40)
+    table.add_column("status")
+    table.add_column("peak", justify="right")
+    table.add_column("tok/s", justify="right")
+    table.add_column("loss vs ref", justify="right")
+    for r in sel.rows:
+        style = STATUS_STYLE.get(r.status, "")
+        status = f"[{style}]{r.status}[/{style}]" if style else r.status
+        if r.duplicate_of is not None:
+            status += f" (=#{r.duplicate_of})"
+        mark = " ★" if sel.winner is not None and r.number == sel.winner.number else ""
+        table.add_row(
+            f"{r.number}{mark}",
+            describe(r.config),
+            status,
+            format_size(r.peak_bytes) if r.peak_bytes else "-",
+            f"{r.tokens_per_s:,.0f}" if r.status == "ok" else "-",
+            _loss_cell(r),
+        )
+    return table
+
+
+def print_selection(console: Console, sel: Selection, title: str = "trials") -> None:
+    console.print(results_table(sel, title))
+    budget = format_size(sel.budget_bytes)
+    if sel.winner is not None:
+        w = sel.winner
+        console.print(
+            f"[bold green]winner[/bold green]: trial {w.number}: {describe(w.config)}  "
+            f"peak {format_size(w.peak_bytes)} of {budget}, {w.tokens_per_s:,.0f} tokens/s"
+        )
+    elif sel.closest is not None:
+        c = sel.closest
+        console.print(
+            f"[bold red]nothing fits {budget}[/bold red]; closest: trial {c.number}: "
+            f"{describe(c.config)} at {format_size(c.peak_bytes)}"
+        )
+    else:
+        console.print("[bold red]no trial has finished yet[/bold red]")

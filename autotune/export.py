@@ -1,0 +1,148 @@
+"""The winner, written as configs people already train with.
+
+One table of exporters; each turns (trial config, study settings) into a file's content.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from autotune.errors import UserError
+from autotune.study import StudySettings
+from trials.techniques import OPTIMIZERS
+
+
+def _micro_and_accum(config: dict[str, Any], settings: StudySettings) -> tuple[int, int]:
+    micro = int(config.get("micro_batch_size", settings.global_batch_size))
+    per_rank_global = settings.global_batch_size
+    return micro, max(1, per_rank_global // micro)
+
+
+def deepspeed_config(config: dict[str, Any], settings: StudySettings) -> dict[str, Any]:
+    """A DeepSpeed JSON config (the ``zero_optimization`` section appears with ZeRO trials)."""
+    micro, accum = _micro_and_accum(config, settings)
+    precision = config.get("precision", "fp32")
+    ds: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accum,
+        "train_batch_size": micro * accum * settings.nproc,
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": precision == "bf16"},
+        "fp16": {
+            "enabled": precision == "fp16",
+            "loss_scale": 0,  # 0 = dynamic loss scaling
+            "initial_scale_power": 16,
+            "loss_scale_window": 1000,
+            "hysteresis": 2,
+            "min_loss_scale": 1,
+        },
+        "zero_optimization": {"stage": int(config.get("zero_stage", 0))},
+        "activation_checkpointing": {
+            "partition_activations": False,
+            "contiguous_memory_optimization": False,
+        },
+        "wall_clock_breakdown": False,
+    }
+    optimizer = config.get("optimizer", "adamw")
+    ds_optimizers = {"adamw": "AdamW", "lion": "Lion"}
+    if optimizer in ds_optimizers:
+        ds["optimizer"] = {
+            "type": ds_optimizers[optimizer],
+            "params": {"lr": settings.lr, "weight_decay": 0.0},
+        }
+    return ds
+
+
+def hf_training_arguments(
+    config: dict[str, Any], settings: StudySettings, deepspeed_path: str | None = None
+) -> dict[str, Any]:
+    """Keyword arguments for ``transformers.TrainingArguments(**d)``."""
+    micro, accum = _micro_and_accum(config, settings)
+    precision = config.get("precision", "fp32")
+    ckpt = config.get("gradient_checkpointing", "off")
+    args: dict[str, Any] = {
+        "output_dir": "output",
+        "per_device_train_batch_size": micro,
+        "gradient_accumulation_steps": accum,
+        "gradient_checkpointing": ckpt != "off",
+        "bf16": precision == "bf16",
+        "fp16": precision == "fp16",
+        "optim": OPTIMIZERS[config.get("optimizer", "adamw")].hf_name,
+        "learning_rate": settings.lr,
+        "weight_decay": 0.0,
+    }
+    if ckpt != "off":
+        args["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
+    if deepspeed_path is not None:
+        args["deepspeed"] = deepspeed_path
+    return args
+
+
+def accelerate_config(config: dict[str, Any], settings: StudySettings) -> dict[str, Any]:
+    """An ``accelerate`` config file (``accelerate launch --config_file``)."""
+    precision = config.get("precision", "fp32")
+    _, accum = _micro_and_accum(config, settings)
+    cfg: dict[str, Any] = {
+        "compute_environment": "LOCAL_MACHINE",
+        "distributed_type": "NO" if settings.nproc == 1 else "MULTI_GPU",
+        "mixed_precision": {"fp32": "no"}.get(precision, precision),
+        "num_machines": 1,
+        "num_processes": settings.nproc,
+        "machine_rank": 0,
+        "main_training_function": "main",
+        "use_cpu": settings.backend == "cpu",
+        "gradient_accumulation_steps": accum,
+    }
+    if int(config.get("zero_stage", 0)) > 0:
+        cfg["distributed_type"] = "DEEPSPEED"
+        cfg["deepspeed_config"] = {
+            "gradient_accumulation_steps": accum,
+            "zero_stage": int(config["zero_stage"]),
+            "offload_optimizer_device": config.get("offload_optimizer", "none"),
+            "offload_param_device": config.get("offload_param", "none"),
+        }
+    return cfg
+
+
+@dataclass(frozen=True)
+class Exporter:
+    render: Callable[[dict[str, Any], StudySettings, Path], str]
+    suffix: str
+
+
+def _json(d: dict[str, Any]) -> str:
+    return json.dumps(d, indent=2, sort_keys=True) + "\n"
+
+
+def _render_hf(config: dict[str, Any], settings: StudySettings, out: Path) -> str:
+    ds_path = None
+    if int(config.get("zero_stage", 0)) > 0:  # TrainingArguments points at the DeepSpeed file
+        ds_file = out.with_name(out.stem + ".deepspeed.json")
+        ds_file.write_text(_json(deepspeed_config(config, settings)))
+        ds_path = str(ds_file)
+    return _json(hf_training_arguments(config, settings, ds_path))
+
+
+EXPORTERS: dict[str, Exporter] = {
+    "deepspeed": Exporter(lambda c, s, _: _json(deepspeed_config(c, s)), ".json"),
+    "hf": Exporter(_render_hf, ".json"),
+    "accelerate": Exporter(
+        lambda c, s, _: yaml.safe_dump(accelerate_config(c, s), sort_keys=False), ".yaml"
+    ),
+}
+
+
+def export(fmt: str, config: dict[str, Any], settings: StudySettings, out: Path) -> Path:
+    if fmt not in EXPORTERS:
+        raise UserError(f"unknown export format '{fmt}' (known: {', '.join(EXPORTERS)})")
+    if not out.parent.exists():
+        raise UserError(f"cannot write {out}: folder {out.parent} does not exist")
+    text = EXPORTERS[fmt].render(config, settings, out)
+    out.write_text(text)
+    return out

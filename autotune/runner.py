@@ -1,0 +1,107 @@
+"""Trial runners: how a ``TrialSpec`` becomes a ``TrialResult``.
+
+``SubprocessRunner`` launches ``python -m trials.job`` in its own process group with a time
+limit, so a crash, a hang or a real OOM of the job never takes the study down: each becomes a
+result (``failed`` with its reason and the tail of stderr, or ``oom``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+from trials.spec import TrialResult, TrialSpec
+
+STDERR_TAIL_LINES = 20
+
+
+class TrialRunner(ABC):
+    """Turns a spec into a measured (or predicted) result."""
+
+    @abstractmethod
+    def run(self, spec: TrialSpec, name: str) -> TrialResult: ...
+
+
+def _tail(path: Path, lines: int = STDERR_TAIL_LINES) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """End the job and everything it started (its own session/process group)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+class SubprocessRunner(TrialRunner):
+    def __init__(
+        self, workdir: Path, timeout_s: float = 600.0, python: str = sys.executable
+    ) -> None:
+        self.workdir = Path(workdir)
+        self.timeout_s = timeout_s
+        self.python = python
+
+    def command(self, spec_path: Path, result_path: Path) -> list[str]:
+        return [self.python, "-m", "trials.job", str(spec_path), str(result_path)]
+
+    def run(self, spec: TrialSpec, name: str) -> TrialResult:
+        trial_dir = self.workdir / name
+        trial_dir.mkdir(parents=True, exist_ok=True)
+        spec_path, result_path = trial_dir / "spec.json", trial_dir / "result.json"
+        stderr_path = trial_dir / "stderr.log"
+        result_path.unlink(missing_ok=True)
+        spec_path.write_text(spec.to_json())
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+        start = time.perf_counter()
+        with open(stderr_path, "wb") as err:
+            proc = subprocess.Popen(
+                self.command(spec_path, result_path),
+                stdout=err,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+            )
+            try:
+                code = proc.wait(timeout=self.timeout_s)
+            except subprocess.TimeoutExpired:
+                kill_group(proc)
+                return TrialResult(
+                    status="failed",
+                    error=f"timed out after {self.timeout_s:g}s",
+                    stderr_tail=_tail(stderr_path),
+                    wall_s=time.perf_counter() - start,
+                )
+            except BaseException:  # Ctrl-C or the controller dying: never leave the job behind
+                kill_group(proc)
+                raise
+        if code == 0 and result_path.is_file():
+            result = TrialResult.load(result_path)
+            if result.status == "failed":
+                result.stderr_tail = _tail(stderr_path)
+            return result
+        return TrialResult(
+            status="failed",
+            error=f"trial job crashed: {_describe_exit(code)}",
+            stderr_tail=_tail(stderr_path),
+            wall_s=time.perf_counter() - start,
+        )

@@ -1,0 +1,319 @@
+"""Search spaces: YAML files of dimensions, conditions and rules, sampled through Optuna.
+
+A space is resolved once per study against the global batch (micro-batch sizes that don't
+divide it go) and the hardware (choices it can't run go, with the reason). Sampling walks the
+dimensions in order; a dimension whose ``when`` does not hold is absent, and a ``forbid`` rule
+narrows the last dimension it names. A narrowed dimension is suggested under its own parameter
+name (``micro_batch_size|1/2/4``) because Optuna distributions must not change between trials.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from autotune.errors import UserError
+from autotune.hardware import Hardware, unavailable_reason
+from trials.techniques import ATTENTION, CHECKPOINTING, OPTIMIZERS, PRECISIONS
+
+Choice = str | int | float | bool
+
+#: dimension -> the values it may take (None: any positive integer)
+KNOWN_DIMENSIONS: dict[str, tuple[Choice, ...] | None] = {
+    "gradient_checkpointing": tuple(CHECKPOINTING),
+    "checkpoint_every": None,
+    "precision": tuple(PRECISIONS),
+    "attention": tuple(ATTENTION),
+    "optimizer": tuple(OPTIMIZERS),
+    "micro_batch_size": None,
+}
+
+_TOP_LEVEL = {"dimensions", "rules", "reference", "name", "description"}
+_DIM_KEYS = {"choices", "when"}
+
+#: (name, choices) -> chosen value; an Optuna trial's ``suggest_categorical`` fits.
+Chooser = Callable[[str, list[Choice]], Choice]
+
+
+@dataclass(frozen=True)
+class Dimension:
+    name: str
+    choices: tuple[Choice, ...]
+    when: Mapping[str, tuple[Choice, ...]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Forbid the values of ``target`` when every condition holds."""
+
+    conditions: Mapping[str, tuple[Choice, ...]]
+    target: str
+    forbidden: tuple[Choice, ...]
+
+
+@dataclass
+class SearchSpace:
+    dimensions: list[Dimension]
+    rules: list[Rule]
+    reference: dict[str, Choice]
+    source: str = "default"
+    dropped: list[str] = field(default_factory=list)  # "dimension=choice: reason"
+
+    # --- loading ------------------------------------------------------------------------------
+
+    @classmethod
+    def load(cls, path: str | Path | None = None) -> SearchSpace:
+        """Read and validate a space file; ``None`` is the packaged ``default.yaml``."""
+        if path is None:
+            text = resources.files("search_spaces").joinpath("default.yaml").read_text()
+            source = "default"
+        else:
+            p = Path(path)
+            if not p.is_file():
+                raise UserError(f"search space file not found: {path}")
+            text, source = p.read_text(), str(p)
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            first = str(exc).splitlines()[0] if str(exc) else "syntax error"
+            raise UserError(f"search space {source}: invalid YAML: {first}") from None
+        return cls.from_dict(data, source)
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "<dict>") -> SearchSpace:
+        def bad(msg: str) -> UserError:
+            return UserError(f"search space {source}: {msg}")
+
+        if not isinstance(data, dict):
+            raise bad("expected a mapping with a 'dimensions' key")
+        unknown = set(data) - _TOP_LEVEL
+        if unknown:
+            raise bad(
+                f"unknown key '{sorted(unknown)[0]}' (allowed: {', '.join(sorted(_TOP_LEVEL))})"
+            )
+        raw_dims = data.get("dimensions")
+        if not isinstance(raw_dims, dict) or not raw_dims:
+            raise bad("'dimensions' must be a non-empty mapping")
+
+        dims: list[Dimension] = []
+        for name, spec in raw_dims.items():
+            where = f"dimensions.{name}"
+            if name not in KNOWN_DIMENSIONS:
+                raise bad(f"unknown dimension '{name}' (known: {', '.join(KNOWN_DIMENSIONS)})")
+            if not isinstance(spec, dict):
+                raise bad(f"{where} must be a mapping with 'choices'")
+            extra = set(spec) - _DIM_KEYS
+            if extra:
+                raise bad(f"{where}: unknown key '{sorted(extra)[0]}'")
+            choices = spec.get("choices")
+            if not isinstance(choices, list):
+                raise bad(f"{where}.choices must be a list")
+            if not choices:
+                raise bad(f"{where}.choices is empty")
+            values = tuple(_check_value(name, c, f"{where}.choices", bad) for c in choices)
+            when = _conditions(spec.get("when", {}), f"{where}.when", dims, bad)
+            dims.append(Dimension(name, values, when))
+
+        by_name = {d.name: d for d in dims}
+        rules = []
+        raw_rules = data.get("rules") or []
+        if not isinstance(raw_rules, list):
+            raise bad("'rules' must be a list")
+        for i, raw in enumerate(raw_rules):
+            where = f"rules[{i}]"
+            if not isinstance(raw, dict) or set(raw) != {"forbid"}:
+                raise bad(f"{where} must be a mapping with the single key 'forbid'")
+            cond = _conditions(raw["forbid"], f"{where}.forbid", dims, bad)
+            if len(cond) < 2:
+                raise bad(f"{where}.forbid must name at least two dimensions")
+            order = [d.name for d in dims]
+            target = max(cond, key=order.index)
+            left = [c for c in by_name[target].choices if c not in cond[target]]
+            if not left:
+                raise bad(f"{where} is impossible: it forbids every choice of '{target}'")
+            rules.append(Rule({k: v for k, v in cond.items() if k != target}, target, cond[target]))
+
+        reference = data.get("reference") or {}
+        if not isinstance(reference, dict):
+            raise bad("'reference' must be a mapping")
+        for key, value in reference.items():
+            if key not in by_name:
+                raise bad(f"reference.{key}: not a dimension of this space")
+            reference[key] = _check_value(key, value, f"reference.{key}", bad)
+        return cls(dims, rules, dict(reference), source)
+
+    # --- resolving against a study ------------------------------------------------------------
+
+    def resolve(self, global_batch_size: int, hardware: Hardware) -> SearchSpace:
+        """Drop micro-batches that don't divide the global batch and choices the hardware lacks."""
+        dropped: list[str] = []
+        dims = []
+        for d in self.dimensions:
+            keep = []
+            for c in d.choices:
+                if d.name == "micro_batch_size" and (
+                    not isinstance(c, int) or global_batch_size % c
+                ):
+                    continue
+                reason = unavailable_reason(hardware, d.name, c)
+                if reason:
+                    dropped.append(f"{d.name}={c}: {reason}")
+                else:
+                    keep.append(c)
+            if not keep:
+                raise UserError(
+                    f"search space {self.source}: no choice of '{d.name}' can run here "
+                    f"(global batch {global_batch_size}, {hardware.backend})"
+                )
+            dims.append(Dimension(d.name, tuple(keep), d.when))
+        return SearchSpace(dims, self.rules, dict(self.reference), self.source, dropped)
+
+    # --- sampling -----------------------------------------------------------------------------
+
+    def sample(self, choose: Chooser) -> dict[str, Choice]:
+        """One configuration; ``choose`` is typically ``trial.suggest_categorical``."""
+        config: dict[str, Choice] = {}
+        for d in self.dimensions:
+            if not _holds(d.when, config):
+                continue
+            choices = list(d.choices)
+            for rule in self.rules:
+                if rule.target == d.name and _holds(rule.conditions, config):
+                    choices = [c for c in choices if c not in rule.forbidden]
+            name = d.name if len(choices) == len(d.choices) else _narrowed(d.name, choices)
+            config[d.name] = choose(name, choices)
+        return config
+
+    def params_for(self, config: Mapping[str, Choice]) -> dict[str, Choice]:
+        """The Optuna parameters that make ``sample`` return ``config`` (for enqueue_trial)."""
+        params: dict[str, Choice] = {}
+
+        def fixed(name: str, choices: list[Choice]) -> Choice:
+            dim = _dimension(name)
+            value = config.get(dim, choices[0])
+            if value not in choices:
+                raise UserError(f"{dim}={value} is not allowed here (choices: {choices})")
+            params[name] = value
+            return value
+
+        self.sample(fixed)
+        return params
+
+    def reference_config(self) -> dict[str, Choice]:
+        """The exact reference: the space's ``reference`` values where allowed, else the first."""
+
+        def pick(name: str, choices: list[Choice]) -> Choice:
+            wanted = self.reference.get(_dimension(name), choices[0])
+            return wanted if wanted in choices else choices[0]
+
+        return self.sample(pick)
+
+    def grid(self) -> list[dict[str, Choice]]:
+        """Every configuration the space allows (for enumeration and tests)."""
+        out: list[dict[str, Choice]] = []
+
+        def walk(prefix: dict[str, Choice]) -> None:
+            def pick(name: str, choices: list[Choice]) -> Choice:
+                if _dimension(name) in prefix:
+                    return prefix[_dimension(name)]
+                raise _Branch(_dimension(name), choices)
+
+            try:
+                out.append(self.sample(pick))
+            except _Branch as branch:
+                for c in branch.choices:
+                    walk({**prefix, branch.dim: c})
+
+        walk({})
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "dimensions": {
+                d.name: {
+                    "choices": list(d.choices),
+                    **({"when": {k: list(v) for k, v in d.when.items()}} if d.when else {}),
+                }
+                for d in self.dimensions
+            },
+            "rules": [
+                {
+                    "forbid": {
+                        **{k: list(v) for k, v in r.conditions.items()},
+                        r.target: list(r.forbidden),
+                    }
+                }
+                for r in self.rules
+            ],
+            "reference": self.reference,
+        }
+
+    def fingerprint(self) -> str:
+        return hashlib.sha256(json.dumps(self.as_dict(), sort_keys=True).encode()).hexdigest()[:12]
+
+
+class _Branch(Exception):
+    def __init__(self, dim: str, choices: list[Choice]) -> None:
+        self.dim, self.choices = dim, choices
+
+
+def _dimension(param_name: str) -> str:
+    return param_name.split("|", 1)[0]
+
+
+def _narrowed(name: str, choices: list[Choice]) -> str:
+    return f"{name}|{'/'.join(map(str, choices))}"
+
+
+def _holds(conditions: Mapping[str, tuple[Choice, ...]], config: Mapping[str, Choice]) -> bool:
+    return all(k in config and config[k] in v for k, v in conditions.items())
+
+
+def _check_value(dim: str, value: Any, where: str, bad: Callable[[str], UserError]) -> Choice:
+    if isinstance(value, bool) and dim == "gradient_checkpointing":
+        value = "full" if value else "off"  # YAML 1.1 reads a bare `off` as false
+    allowed = KNOWN_DIMENSIONS.get(dim)
+    if allowed is None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise bad(f"{where}: {value!r} is not a positive integer")
+        return value
+    if value not in allowed:
+        raise bad(
+            f"{where}: unknown choice {value!r} for {dim} (allowed: {', '.join(map(str, allowed))})"
+        )
+    return value  # type: ignore[no-any-return]
+
+
+def _conditions(
+    raw: Any, where: str, earlier: list[Dimension], bad: Callable[[str], UserError]
+) -> dict[str, tuple[Choice, ...]]:
+    if not isinstance(raw, dict):
+        raise bad(f"{where} must be a mapping of dimension: value(s)")
+    known = {d.name: d for d in earlier}
+    out: dict[str, tuple[Choice, ...]] = {}
+    for dim, values in raw.items():
+        if dim not in KNOWN_DIMENSIONS:
+            raise bad(f"{where}: unknown dimension '{dim}'")
+        vals = values if isinstance(values, list) else [values]
+        if not vals:
+            raise bad(f"{where}.{dim}: empty list")
+        checked = tuple(_check_value(dim, v, f"{where}.{dim}", bad) for v in vals)
+        if dim in known:
+            missing = [v for v in checked if v not in known[dim].choices]
+            if missing:
+                raise bad(f"{where}.{dim}: {missing[0]!r} is not one of its choices")
+        elif not where.startswith("rules"):
+            raise bad(f"{where}: '{dim}' must be declared before the dimension that depends on it")
+        out[dim] = checked
+    if where.startswith("rules"):
+        undeclared = [d for d in out if d not in known]
+        if undeclared:
+            raise bad(f"{where}: '{undeclared[0]}' is not a dimension of this space")
+    return out

@@ -1,0 +1,321 @@
+"""The Optuna study: storage, settings kept with the study, the objective, the loss reference.
+
+Objectives: maximise tokens/s, minimise peak memory (MiB). Going over the budget and
+regressing the loss are *constraints* (``constraints_func``), so an OOM trial is a completed
+trial the sampler learns from, never a FAIL it ignores. Only a crash or a hang of the job is a
+FAIL, with its reason stored on the trial.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
+from optuna.trial import FrozenTrial, TrialState
+
+from autotune.errors import UserError
+from autotune.runner import TrialRunner
+from autotune.space import SearchSpace
+from trials.spec import TrialResult, TrialSpec
+from trials.techniques import is_exact
+
+DEFAULT_STORAGE = "sqlite:///autotune.db"
+#: per-step relative loss difference allowed for exact techniques (float reassociation noise)
+EXACT_RTOL = 1e-3
+HEARTBEAT_S = 10
+MIB = 2**20
+
+
+def mask_url(url: str) -> str:
+    """The storage URL with any password replaced by ``***``."""
+    return re.sub(r"(://[^:/@]+:)[^@]*@", r"\1***@", url)
+
+
+def open_storage(url: str) -> RDBStorage:
+    """An RDB storage with heartbeats: a trial whose controller died is failed and retried once."""
+    try:
+        return RDBStorage(
+            url,
+            heartbeat_interval=HEARTBEAT_S,
+            grace_period=3 * HEARTBEAT_S,
+            heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=1),
+            engine_kwargs={"connect_args": {"timeout": 60}} if url.startswith("sqlite") else None,
+        )
+    except Exception as exc:  # SQLAlchemy raises many kinds; all mean "can't open"
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise UserError(f"cannot open storage {mask_url(url)}: {mask_url(reason)[:200]}") from None
+
+
+@dataclass
+class StudySettings:
+    """What defines a study; stored in the study's user attrs and checked when it is reopened."""
+
+    model: str
+    model_config: dict[str, Any]
+    budget_bytes: int
+    budget_label: str
+    backend: str
+    seq_len: int
+    global_batch_size: int
+    space: dict[str, Any]
+    loss_tolerance: float = 0.02
+    warmup_steps: int = 2
+    measured_steps: int = 2
+    seed: int = 0
+    lr: float = 3e-3
+    nproc: int = 1
+    #: keys that must match to add trials to an existing study
+    identity: tuple[str, ...] = field(
+        default=("model", "budget_bytes", "backend", "seq_len", "global_batch_size", "space"),
+        repr=False,
+    )
+
+    def default_study_name(self) -> str:
+        return f"{self.model}-{self.budget_label}-{self.backend}"
+
+    def to_attrs(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("identity")
+        return d
+
+    @classmethod
+    def from_attrs(cls, attrs: dict[str, Any]) -> StudySettings:
+        known = set(cls.__dataclass_fields__) - {"identity"}
+        return cls(**{k: v for k, v in attrs.items() if k in known})
+
+    def spec(self, config: dict[str, Any], budget: int | None) -> TrialSpec:
+        return TrialSpec(
+            model_config=self.model_config,
+            config=config,
+            seq_len=self.seq_len,
+            global_batch_size=self.global_batch_size,
+            budget_bytes=budget,
+            backend="cuda" if self.backend == "cuda" else "cpu",
+            warmup_steps=self.warmup_steps,
+            measured_steps=self.measured_steps,
+            seed=self.seed,
+            lr=self.lr,
+            nproc=self.nproc,
+        )
+
+
+def _settings_attr(study: optuna.Study) -> dict[str, Any] | None:
+    return study.user_attrs.get("settings")
+
+
+def create_or_load(storage: RDBStorage, name: str, settings: StudySettings) -> optuna.Study:
+    """Open study ``name``, creating it with ``settings``; refuse to mix different settings."""
+    existing = {s.study_name for s in storage.get_all_studies()}
+    if name in existing:
+        study = optuna.load_study(study_name=name, storage=storage)
+        stored = _settings_attr(study) or {}
+        for key in settings.identity:
+            if key in stored and stored[key] != getattr(settings, key):
+                what = "another search space" if key == "space" else f"{key}={stored[key]!r}"
+                raise UserError(
+                    f"study '{name}' exists with {what}, not {getattr(settings, key)!r}; "
+                    "use another --study-name"
+                    if key != "space"
+                    else f"study '{name}' exists with {what}; use another --study-name"
+                )
+        return study
+    study = optuna.create_study(
+        study_name=name, storage=storage, directions=["maximize", "minimize"]
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        study.set_metric_names(["tokens_per_s", "peak_mib"])
+    study.set_user_attr("settings", settings.to_attrs())
+    return study
+
+
+def load_existing(storage: RDBStorage, name: str | None) -> optuna.Study:
+    """An existing study by name; with no name, the only (or most recent) one in the storage."""
+    summaries = storage.get_all_studies()
+    if not summaries:
+        raise UserError("no study in this storage yet: run `autotune run` first")
+    if name is None:
+        name = max(summaries, key=lambda s: s._study_id).study_name
+    elif name not in {s.study_name for s in summaries}:
+        known = ", ".join(s.study_name for s in summaries)
+        raise UserError(f"no study named '{name}' (studies here: {known})")
+    study = optuna.load_study(study_name=name, storage=storage)
+    if _settings_attr(study) is None:
+        raise UserError(f"study '{name}' was not made by autotune")
+    return study
+
+
+def settings_of(study: optuna.Study) -> StudySettings:
+    attrs = _settings_attr(study)
+    assert attrs is not None
+    return StudySettings.from_attrs(attrs)
+
+
+# --- loss reference --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LossCheck:
+    regression: float  # relative; exact: max per-step |diff|, lossy: mean of measured steps
+    tolerance: float
+    exact: bool
+
+    @property
+    def ok(self) -> bool:
+        return self.regression <= self.tolerance
+
+
+def check_loss(
+    losses: Sequence[float], reference: Sequence[float], exact: bool, tolerance: float, last: int
+) -> LossCheck | None:
+    """Compare a trial's per-step losses with the reference's (same seed, same data)."""
+    n = min(len(losses), len(reference))
+    if n == 0 or any(not math.isfinite(x) for x in losses[:n]):
+        return None if n == 0 else LossCheck(math.inf, EXACT_RTOL if exact else tolerance, exact)
+    if exact:
+        worst = max(abs(a - b) / abs(b) for a, b in zip(losses[:n], reference[:n], strict=True))
+        return LossCheck(worst, EXACT_RTOL, True)
+    k = max(1, min(last, n))
+    mean, ref = sum(losses[n - k : n]) / k, sum(reference[n - k : n]) / k
+    return LossCheck((mean - ref) / abs(ref), tolerance, False)
+
+
+def reference_losses(study: optuna.Study) -> list[float] | None:
+    ref = study.user_attrs.get("reference_losses")
+    return list(ref) if ref else None
+
+
+def ensure_reference(study: optuna.Study, space: SearchSpace) -> None:
+    """Queue the exact reference as the next trial unless it ran or is queued/running."""
+    if reference_losses(study) is not None:
+        return
+    for t in study.get_trials(deepcopy=False):
+        if t.user_attrs.get("role") == "reference" and t.state in (
+            TrialState.WAITING,
+            TrialState.RUNNING,
+        ):
+            return
+    study.enqueue_trial(
+        space.params_for(space.reference_config()), user_attrs={"role": "reference"}
+    )
+
+
+# --- the objective ---------------------------------------------------------------------------
+
+
+class TrialCrashed(Exception):
+    """The job crashed or hung: a FAIL, unlike an OOM, which is a measured result."""
+
+
+def find_duplicate(study: optuna.Study, config: dict[str, Any]) -> FrozenTrial | None:
+    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+        if t.user_attrs.get("config") == config and "duplicate_of" not in t.user_attrs:
+            return t
+    return None
+
+
+_RESULT_ATTRS = (
+    "status",
+    "peak_bytes",
+    "tokens_per_s",
+    "losses",
+    "error",
+    "wall_s",
+    "memory_breakdown",
+    "stderr_tail",
+)
+
+
+class Objective:
+    """Sample a config, run it (or reuse an identical finished trial), record it."""
+
+    def __init__(self, study: optuna.Study, space: SearchSpace, runner: TrialRunner) -> None:
+        self.study = study
+        self.space = space
+        self.runner = runner
+        self.settings = settings_of(study)
+        self.on_result: Callable[[FrozenTrial | optuna.Trial, TrialResult], None] | None = None
+
+    def __call__(self, trial: optuna.Trial) -> tuple[float, float]:
+        config = self.space.sample(trial.suggest_categorical)  # type: ignore[arg-type]
+        trial.set_user_attr("config", config)
+        is_reference = trial.user_attrs.get("role") == "reference"
+        earlier = None if is_reference else find_duplicate(self.study, config)
+        if earlier is not None:
+            result = TrialResult.from_dict(
+                {
+                    k: earlier.user_attrs.get(k)
+                    for k in _RESULT_ATTRS
+                    if earlier.user_attrs.get(k) is not None
+                }
+            )
+            trial.set_user_attr("duplicate_of", earlier.number)
+        else:
+            # The reference must produce a loss curve even if it does not fit: it runs unbounded
+            # and is judged against the budget afterwards.
+            budget = None if is_reference else self.settings.budget_bytes
+            result = self.runner.run(self.settings.spec(config, budget), f"trial-{trial.number}")
+            if (
+                is_reference
+                and result.status == "ok"
+                and result.peak_bytes > self.settings.budget_bytes
+            ):
+                result.status = "oom"
+                result.error = "reference ran unbounded; its peak is over the budget"
+        for key in _RESULT_ATTRS:
+            trial.set_user_attr(key, getattr(result, key))
+        if self.on_result:
+            self.on_result(trial, result)
+        if result.status == "failed":
+            raise TrialCrashed(result.error)
+
+        if is_reference and result.losses:
+            self.study.set_user_attr("reference_losses", result.losses)
+            self.study.set_user_attr("reference_trial", trial.number)
+        ref = reference_losses(self.study)
+        check = None
+        if ref is not None and result.status == "ok":
+            check = check_loss(
+                result.losses,
+                ref,
+                is_exact(config),
+                self.settings.loss_tolerance,
+                self.settings.measured_steps,
+            )
+        if check is not None:
+            trial.set_user_attr("loss_regression", check.regression)
+            trial.set_user_attr("loss_tolerance", check.tolerance)
+        budget = self.settings.budget_bytes
+        over = (
+            (result.peak_bytes - budget) / budget
+            if result.status == "ok"
+            else max(1e-6, (result.peak_bytes - budget) / budget)
+        )
+        loss_violation = (check.regression - check.tolerance) if check else 0.0
+        # <= 0 is feasible; the sampler reads these from the trial (Optuna's set_constraint)
+        trial.set_constraint("memory", over)
+        trial.set_constraint("loss", min(loss_violation, 1e6))
+        return result.tokens_per_s, result.peak_bytes / MIB
+
+
+def make_sampler(study: optuna.Study, seed: int) -> optuna.samplers.BaseSampler:
+    """TPE with constraints; reseeded per session so a resumed study does not replay proposals."""
+    n_done = len(study.get_trials(deepcopy=False))
+    return optuna.samplers.TPESampler(
+        seed=seed + n_done,
+        multivariate=True,
+        group=True,
+        n_startup_trials=6,
+    )
+
+
+def workdir_for(study_name: str) -> Path:
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", study_name)
+    return Path("autotune_runs") / safe

@@ -1,0 +1,56 @@
+"""Byte sizes: parse a user's budget, print sizes for people."""
+
+from __future__ import annotations
+
+import re
+
+from autotune.errors import UserError
+
+_UNITS = {
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+_PATTERN = re.compile(r"^\s*([-+]?\d+(?:\.\d+)?|[-+]?\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """``24GB`` is 24*10^9 bytes, ``24GiB`` 24*2^30; case-insensitive; must be positive."""
+    match = _PATTERN.match(str(text))
+    unit = match.group(2).upper() if match else ""
+    if not match or not unit or unit not in _UNITS:
+        raise UserError(
+            f"invalid budget '{text}': use a number and a unit, e.g. 24GB, 24GiB, 500MB, 1.5GiB"
+        )
+    value = float(match.group(1)) * _UNITS[unit]
+    if value <= 0:
+        raise UserError(f"invalid budget '{text}': it must be greater than zero")
+    return int(value)
+
+
+def format_size(n: float | None) -> str:
+    """Binary units, three significant digits: ``1.50 GiB``, ``300 MiB``."""
+    if n is None:
+        return "-"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            if unit == "B":
+                return f"{int(value)} B"
+            return f"{value:.3g} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def budget_label(text: str) -> str:
+    """A budget as typed, normalised for a study name: ``24gb`` -> ``24GB``."""
+    match = _PATTERN.match(text)
+    assert match
+    unit = match.group(2).upper().replace("IB", "iB")
+    return f"{match.group(1)}{unit}"

@@ -1,0 +1,1 @@
+"""Packaged YAML search spaces (``default.yaml``); loaded with importlib.resources."""

@@ -1,0 +1,188 @@
+"""Peak memory and the out-of-memory limit, behind one small interface per backend.
+
+* ``cuda``: the caching allocator's own numbers (``max_memory_reserved``) and its own limit
+  (``set_per_process_memory_fraction``); a real ``torch.OutOfMemoryError`` is the OOM.
+* ``cpu``: a ``TorchDispatchMode`` that counts the bytes of every live tensor storage created
+  while it is active (model, optimizer states, activations, gradients, temporaries) and raises
+  ``torch.OutOfMemoryError`` the moment the live total passes the budget, as a GPU would.
+
+PyTorch's ``torch.distributed._tools.mem_tracker.MemTracker`` counts the same bytes but
+refuses modules that run twice in one iteration, which is exactly what activation
+checkpointing does, so the CPU tracker here keeps only the storage accounting idea.
+"""
+
+from __future__ import annotations
+
+import weakref
+from abc import ABC, abstractmethod
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+class MemoryMonitor(ABC):
+    """Context manager that enforces a byte budget and reports the peak."""
+
+    def __init__(self, budget_bytes: int | None) -> None:
+        self.budget_bytes = budget_bytes
+
+    @abstractmethod
+    def __enter__(self) -> MemoryMonitor: ...
+
+    @abstractmethod
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None: ...
+
+    @property
+    @abstractmethod
+    def peak_bytes(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def live_bytes(self) -> int: ...
+
+    def pause(self) -> Any:
+        """A context in which allocations are not tracked (used for timing runs)."""
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+class _LiveStorageCounter(TorchDispatchMode):
+    """Counts each distinct storage once, from the op that created it until it is freed."""
+
+    def __init__(self, owner: CpuMemoryMonitor) -> None:
+        super().__init__()
+        self.owner = owner
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        flat, _ = tree_flatten(out)
+        for t in flat:
+            if isinstance(t, torch.Tensor):
+                self.owner._track(t)
+        self.owner._check_budget(func)
+        return out
+
+
+class CpuMemoryMonitor(MemoryMonitor):
+    """Live tensor bytes on the CPU, counted per storage, with a hard budget."""
+
+    def __init__(self, budget_bytes: int | None) -> None:
+        super().__init__(budget_bytes)
+        self._live = 0
+        self._peak = 0
+        self._seen: set[int] = set()
+        self._mode: _LiveStorageCounter | None = None
+        self._paused = False
+
+    def _track(self, t: torch.Tensor) -> None:
+        if self._paused or t.device.type != "cpu" or t.is_meta:
+            return
+        try:
+            storage = t.untyped_storage()
+        except (NotImplementedError, RuntimeError):
+            return  # sparse or other storage-less tensors
+        key = id(storage)
+        if key in self._seen:
+            return
+        nbytes = storage.nbytes()
+        self._seen.add(key)
+        self._live += nbytes
+        self._peak = max(self._peak, self._live)
+        weakref.finalize(storage, self._release, key, nbytes)
+
+    def _release(self, key: int, nbytes: int) -> None:
+        self._seen.discard(key)
+        self._live -= nbytes
+
+    def track_existing(self, *tensors: torch.Tensor) -> None:
+        """Count tensors made before the monitor started (e.g. the model on the GPU path)."""
+        for t in tensors:
+            self._track(t)
+
+    def _check_budget(self, func: Any) -> None:
+        if self.budget_bytes is not None and self._live > self.budget_bytes:
+            live, budget = self._live, self.budget_bytes
+            raise torch.OutOfMemoryError(
+                f"CPU tracker: out of memory in {func}: {live} bytes live, budget {budget} bytes"
+            )
+
+    def __enter__(self) -> CpuMemoryMonitor:
+        self._mode = _LiveStorageCounter(self)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:  # type: ignore[no-untyped-def]
+        assert self._mode is not None
+        self._mode.__exit__(exc_type, exc, tb)
+        self._mode = None
+
+    def pause(self) -> Any:
+        import contextlib
+
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        @contextlib.contextmanager
+        def _paused() -> Any:
+            with _disable_current_modes():
+                yield
+
+        return _paused()
+
+    @property
+    def peak_bytes(self) -> int:
+        return self._peak
+
+    @property
+    def live_bytes(self) -> int:
+        return self._live
+
+
+class CudaMemoryMonitor(MemoryMonitor):
+    """The caching allocator's reserved bytes; the budget is a per-process memory fraction."""
+
+    def __init__(self, budget_bytes: int | None, device: int = 0) -> None:
+        super().__init__(budget_bytes)
+        self.device = device
+
+    def __enter__(self) -> CudaMemoryMonitor:
+        torch.cuda.set_device(self.device)
+        if self.budget_bytes is not None:
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            torch.cuda.set_per_process_memory_fraction(
+                min(1.0, self.budget_bytes / total), self.device
+            )
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:  # type: ignore[no-untyped-def]
+        torch.cuda.synchronize(self.device)
+
+    @property
+    def peak_bytes(self) -> int:
+        return int(torch.cuda.max_memory_reserved(self.device))
+
+    @property
+    def live_bytes(self) -> int:
+        return int(torch.cuda.memory_reserved(self.device))
+
+
+MONITORS: dict[str, type[MemoryMonitor]] = {
+    "cpu": CpuMemoryMonitor,
+    "cuda": CudaMemoryMonitor,
+}
+
+
+def make_monitor(backend: str, budget_bytes: int | None, rank: int = 0) -> MemoryMonitor:
+    if backend == "cuda":
+        return CudaMemoryMonitor(budget_bytes, device=rank % max(1, torch.cuda.device_count()))
+    return MONITORS[backend](budget_bytes)

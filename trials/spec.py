@@ -1,0 +1,73 @@
+"""The contract between the controller and a trial job: a JSON spec in, a JSON result out.
+
+Both sides import these dataclasses; nothing else crosses the process boundary.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+Status = Literal["ok", "oom", "failed"]
+
+
+@dataclass
+class TrialSpec:
+    """Everything a trial job needs to run one short training job.
+
+    ``config`` holds the technique choices (see ``trials.techniques``); ``model_config``
+    is a transformers config as a plain dict, so the job never reaches a model hub.
+    """
+
+    model_config: dict[str, Any]
+    config: dict[str, Any]
+    seq_len: int
+    global_batch_size: int
+    budget_bytes: int | None = None
+    backend: Literal["cpu", "cuda"] = "cpu"
+    warmup_steps: int = 2
+    measured_steps: int = 2
+    seed: int = 0
+    lr: float = 1e-3
+    nproc: int = 1
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrialSpec:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    @classmethod
+    def load(cls, path: str | Path) -> TrialSpec:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+@dataclass
+class TrialResult:
+    """What one trial measured. ``peak_bytes`` is the worst rank's peak; ``tokens_per_s``
+    counts every rank's tokens over the measured steps only (optimizer step included)."""
+
+    status: Status
+    peak_bytes: int = 0
+    tokens_per_s: float = 0.0
+    losses: list[float] = field(default_factory=list)
+    error: str = ""
+    wall_s: float = 0.0
+    memory_breakdown: dict[str, int] = field(default_factory=dict)
+    stderr_tail: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrialResult:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    @classmethod
+    def load(cls, path: str | Path) -> TrialResult:
+        return cls.from_dict(json.loads(Path(path).read_text()))
