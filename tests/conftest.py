@@ -1,0 +1,52 @@
+"""Shared test helpers: real tiny models, real SQLite files, the real CLI."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner, Result
+
+from autotune.cli import main
+from autotune.models import REGISTRY
+from trials.spec import TrialSpec
+
+DATA = Path(__file__).parent / "data"
+SMALL_SPACE = DATA / "small_space.yaml"
+TINY = REGISTRY["tiny-llama"].config
+
+#: tiny-llama at seq 64, global batch 8: about 184 MB at micro-batch 8 without checkpointing,
+#: 135-142 MB with micro-batch 1 or checkpointing (measured by the CPU tracker).
+SMALL_ARGS = ["--seq-len", "64", "--global-batch-size", "8"]
+
+
+def tiny_spec(config: dict[str, Any], budget: int | None = None, **kw: Any) -> TrialSpec:
+    base = {
+        "gradient_checkpointing": "off",
+        "precision": "fp32",
+        "attention": "sdpa",
+        "optimizer": "adamw",
+        "micro_batch_size": 8,
+    }
+    return TrialSpec(
+        model_config=TINY,
+        config={**base, **config},
+        seq_len=kw.pop("seq_len", 64),
+        global_batch_size=kw.pop("global_batch_size", 8),
+        budget_bytes=budget,
+        lr=3e-3,
+        **kw,
+    )
+
+
+def cli(*args: str, cwd: Path | None = None) -> Result:
+    """Invoke the real click command in-process (trial jobs still run as subprocesses)."""
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+@pytest.fixture()
+def in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Run in a fresh folder, as a user would: the default sqlite:///autotune.db lands here."""
+    monkeypatch.chdir(tmp_path)
+    return tmp_path

@@ -1,0 +1,146 @@
+"""The real CLI end to end: a real SQLite study of real CPU trials, resumed, shown, exported."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import optuna
+import pytest
+import yaml
+
+from tests.conftest import SMALL_ARGS, SMALL_SPACE, cli
+
+BUDGET = "150MB"  # micro-batch 8 without checkpointing (~184 MB) does not fit; the rest does
+RUN = ["run", "--model", "tiny-llama", "--budget", BUDGET, "--space", str(SMALL_SPACE), *SMALL_ARGS]
+
+
+def _trials(db: Path) -> list[optuna.trial.FrozenTrial]:
+    storage = f"sqlite:///{db}"
+    (summary,) = optuna.get_all_study_summaries(storage)
+    return optuna.load_study(study_name=summary.study_name, storage=storage).trials
+
+
+@pytest.fixture(scope="module")
+def study_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One small study, run once for the module: 6 trials, then resumed for 2 more."""
+    import os
+
+    path = tmp_path_factory.mktemp("study")
+    old = Path.cwd()
+    os.chdir(path)
+    try:
+        first = cli(*RUN, "--trials", "6")
+        assert first.exit_code == 0, first.output
+        (path / "first.txt").write_text(first.output)
+        (path / "first.json").write_text(
+            json.dumps(
+                [(t.number, t.state.name, t.user_attrs) for t in _trials(path / "autotune.db")]
+            )
+        )
+        second = cli(*RUN, "--trials", "2")
+        assert second.exit_code == 0, second.output
+        (path / "second.txt").write_text(second.output)
+    finally:
+        os.chdir(old)
+    return path
+
+
+def test_study_has_real_oom_and_a_winner_within_budget(study_dir: Path) -> None:
+    trials = _trials(study_dir / "autotune.db")
+    statuses = [t.user_attrs["status"] for t in trials]
+    assert "oom" in statuses and "ok" in statuses
+    oom = next(t for t in trials if t.user_attrs["status"] == "oom")
+    assert oom.state == optuna.trial.TrialState.COMPLETE  # a constraint violation, not a FAIL
+    assert oom.constraints["memory"] > 0
+    assert oom.user_attrs["config"]["micro_batch_size"] == 8
+    assert oom.user_attrs["config"]["gradient_checkpointing"] == "off"
+    assert trials[0].user_attrs["role"] == "reference"
+    output = (study_dir / "second.txt").read_text()
+    assert "winner: trial" in output and "stored in sqlite:///autotune.db" in output
+
+
+def test_second_run_resumes_without_repeating(study_dir: Path) -> None:
+    before = json.loads((study_dir / "first.json").read_text())
+    after = _trials(study_dir / "autotune.db")
+    assert len(after) == len(before) + 2
+    assert [t.number for t in after] == list(range(len(after)))
+    for number, state, attrs in before:  # nothing finished was redone or lost
+        assert after[number].state.name == state
+        assert after[number].user_attrs == attrs
+    assert sum(t.user_attrs.get("role") == "reference" for t in after) == 1
+
+
+def test_show_and_resume_by_name(study_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(study_dir)
+    shown = cli("show")
+    assert shown.exit_code == 0, shown.output
+    winner_line = next(line for line in shown.output.splitlines() if line.startswith("winner"))
+    last_run = (study_dir / "second.txt").read_text()
+    assert winner_line in last_run
+    n = len(_trials(study_dir / "autotune.db"))
+    resumed = cli("resume", "--study", "tiny-llama-150MB-cpu", "--trials", "1")
+    assert resumed.exit_code == 0, resumed.output
+    assert len(_trials(study_dir / "autotune.db")) == n + 1
+
+
+def test_exports_parse_and_construct(study_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(study_dir)
+    for fmt, name in [("deepspeed", "ds.json"), ("hf", "hf.json"), ("accelerate", "acc.yaml")]:
+        result = cli("export", "--format", fmt, "--out", name)
+        assert result.exit_code == 0, result.output
+    ds = json.loads((study_dir / "ds.json").read_text())
+    assert ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] == 8
+    hf = json.loads((study_dir / "hf.json").read_text())
+    acc = yaml.safe_load((study_dir / "acc.yaml").read_text())
+    assert acc["gradient_accumulation_steps"] == ds["gradient_accumulation_steps"]
+
+    from transformers import TrainingArguments
+
+    args = TrainingArguments(**{**hf, "output_dir": str(study_dir / "out"), "use_cpu": True})
+    assert args.per_device_train_batch_size == ds["train_micro_batch_size_per_gpu"]
+    assert args.gradient_accumulation_steps == ds["gradient_accumulation_steps"]
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else "absent"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["run", "--model", "tiny-llama", "--budget", "24XB"], "invalid budget '24XB'"),
+        (["run", "--model", "tiny-llama", "--budget", "-1GB"], "greater than zero"),
+        (["run", "--model", "lama-7b", "--budget", "24GB"], "did you mean llama-7b"),
+        (
+            [
+                "run",
+                "--model",
+                "tiny-llama",
+                "--budget",
+                "1GB",
+                "--storage",
+                "sqlite:////no/such/dir/x.db",
+            ],
+            "cannot open storage",
+        ),
+        (
+            ["run", "--model", "tiny-llama", "--budget", "1GB", "--space", "missing.yaml"],
+            "search space file not found",
+        ),
+        (["run", "--model", "tiny-llama", "--budget", "1GB", "--trials", "0"], "--trials"),
+        (["export", "--format", "xml", "--out", "x"], "unknown export format 'xml'"),
+        (["show", "--study", "nope"], "no study named 'nope'"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(
+    args: list[str], message: str, study_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(study_dir)
+    before = _digest(study_dir / "autotune.db")
+    result = cli(*args)
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert "Traceback" not in result.output
+    assert _digest(study_dir / "autotune.db") == before
