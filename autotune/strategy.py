@@ -48,6 +48,10 @@ MONOTONE_MEMORY: dict[str, Callable[[Any], float]] = {
 }
 
 
+#: log-step by which an OOM's lower bound is raised until the model predicts it over budget
+OOM_STEP = math.log(1.1)
+
+
 def _key(config: Config) -> tuple[tuple[str, str], ...]:
     return tuple(sorted((k, repr(v)) for k, v in config.items()))
 
@@ -157,7 +161,12 @@ class AutotuneSampler(BaseSampler):
             _Ridge(self._features, self.ridge_alpha),
             _Ridge(self._features, self.ridge_alpha),
         )
-        peak_x, peak_y, speed_x, speed_y = [], [], [], []
+        peak_x: list[Config] = []
+        peak_y: list[float] = []
+        speed_x: list[Config] = []
+        speed_y: list[float] = []
+        oom_x: list[Config] = []
+        oom_y: list[float] = []
         for o in history:
             p = prior.get(_key(o.config))
             if p is None or p[0] <= 0 or p[1] <= 0:
@@ -169,13 +178,23 @@ class AutotuneSampler(BaseSampler):
                     speed_x.append(o.config)
                     speed_y.append(math.log(o.tokens_per_s / p[1]))
             elif o.status == "oom":
-                # a lower bound: only correct upwards, never trust it to lower the prediction
-                lower = math.log(max(o.peak_bytes, self.budget) / p[0])
-                if lower > 0:
-                    peak_x.append(o.config)
-                    peak_y.append(lower)
-        peak_model.fit(peak_x, peak_y)
+                # a lower bound: the peak was at least the live bytes when it ran out
+                oom_x.append(o.config)
+                oom_y.append(math.log(max(o.peak_bytes, self.budget) / p[0]))
         speed_model.fit(speed_x, speed_y)
+        # Fit the peak model so that every observed OOM is predicted over the budget: raise
+        # each OOM's target until the fitted model agrees (the ridge shrinks single points).
+        for _ in range(20):
+            peak_model.fit(peak_x + oom_x, peak_y + oom_y)
+            low = [
+                i
+                for i, c in enumerate(oom_x)
+                if prior[_key(c)][0] * math.exp(peak_model(c)) <= self.budget
+            ]
+            if not low:
+                break
+            for i in low:
+                oom_y[i] += OOM_STEP
 
         ooms = [o.config for o in history if o.status == "oom"]
         bad_loss = _always_bad_loss(history)

@@ -1,0 +1,106 @@
+"""The strategy's logic on synthetic landscapes (the real-trial test is in test_search_real)."""
+
+from __future__ import annotations
+
+import math
+
+import optuna
+
+from autotune.hardware import Hardware
+from autotune.space import SearchSpace
+from autotune.strategy import AutotuneSampler, Observation, needs_no_less_memory
+
+SPACE = SearchSpace.load().resolve(16, Hardware(backend="cpu"))
+GRID = SPACE.grid()
+BUDGET = 300e6
+
+
+def prior(c: dict) -> tuple[float, float]:
+    ckpt = {"off": 1.0, "selective": 0.7, "full": 0.4}[c["gradient_checkpointing"]]
+    half = 0.8 if c["precision"] != "fp32" else 1.0
+    eager = 1.3 if c["attention"] == "eager" else 1.0
+    peak = 100e6 + 30e6 * c["micro_batch_size"] * ckpt * half * eager
+    speed = 1000 * (1 + 0.1 * math.log2(c["micro_batch_size"])) * (0.75 + 0.25 * ckpt)
+    return peak, speed * (1.5 if c["precision"] != "fp32" else 1.0)
+
+
+def truth(c: dict) -> tuple[float, float]:
+    """The prior is 20% low on memory and does not know fp16 has no fast kernels here."""
+    peak, speed = prior(c)
+    return peak * 1.2, speed / (40 if c["precision"] == "fp16" else 1)
+
+
+def observe(c: dict) -> Observation:
+    peak, speed = truth(c)
+    ok = peak <= BUDGET
+    return Observation(
+        c,
+        "ok" if ok else "oom",
+        peak if ok else BUDGET,
+        speed if ok else 0.0,
+        loss_ok=c["optimizer"] == "adamw",
+    )
+
+
+def test_monotone_oom_rule() -> None:
+    oom = {"gradient_checkpointing": "selective", "micro_batch_size": 4, "precision": "bf16"}
+    assert needs_no_less_memory({**oom, "micro_batch_size": 8}, oom)
+    assert needs_no_less_memory({**oom, "gradient_checkpointing": "off"}, oom)
+    assert not needs_no_less_memory({**oom, "gradient_checkpointing": "full"}, oom)
+    assert not needs_no_less_memory({**oom, "micro_batch_size": 2}, oom)
+    assert not needs_no_less_memory({**oom, "precision": "fp32"}, oom)  # not a monotone dim
+
+
+def test_never_proposes_what_an_oom_implies() -> None:
+    sampler = AutotuneSampler(GRID, prior, BUDGET)
+    history: list[Observation] = []
+    for _ in range(40):
+        plan = sampler.plan(history)
+        assert plan is not None
+        for o in history:
+            assert plan != o.config
+            if o.status == "oom":
+                assert not needs_no_less_memory(plan, o.config)
+        history.append(observe(plan))
+
+
+def test_finds_the_true_optimum_despite_a_biased_prior() -> None:
+    feasible = [c for c in GRID if truth(c)[0] <= BUDGET and c["optimizer"] == "adamw"]
+    best = max(feasible, key=lambda c: truth(c)[1])
+    sampler = AutotuneSampler(GRID, prior, BUDGET)
+    history: list[Observation] = []
+    while len(history) < 25:
+        plan = sampler.plan(history)
+        assert plan is not None
+        history.append(observe(plan))
+        if plan == best:
+            break
+    assert history[-1].config == best
+    assert len(history) <= 0.1 * len(GRID)
+    # once fp16 was measured slow, it is not measured again while faster candidates remain
+    assert sum(o.status == "ok" and o.config["precision"] == "fp16" for o in history) <= 1
+
+
+def test_drives_a_real_optuna_study_and_respects_enqueued_trials() -> None:
+    sampler = AutotuneSampler(GRID, prior, BUDGET)
+    study = optuna.create_study(directions=["maximize", "minimize"], sampler=sampler)
+    reference = SPACE.reference_config()
+    study.enqueue_trial(SPACE.params_for(reference))
+
+    def objective(trial: optuna.Trial) -> tuple[float, float]:
+        config = SPACE.sample(trial.suggest_categorical)  # type: ignore[arg-type]
+        o = observe(config)
+        trial.set_user_attr("config", config)
+        trial.set_user_attr("status", o.status)
+        trial.set_user_attr("peak_bytes", o.peak_bytes)
+        trial.set_user_attr("tokens_per_s", o.tokens_per_s)
+        trial.set_constraint("memory", (o.peak_bytes - BUDGET) / BUDGET if o.status == "ok" else 1)
+        trial.set_constraint("loss", 0.0 if o.loss_ok else 1.0)
+        return o.tokens_per_s, o.peak_bytes
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study.optimize(objective, n_trials=6)
+    configs = [t.user_attrs["config"] for t in study.trials]
+    assert configs[0] == reference
+    assert len({tuple(sorted(c.items())) for c in configs}) == 6  # planned, never repeated
+    assert configs[1] == sampler.plan([observe(configs[0])])
