@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -13,13 +14,14 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from autotune.display import describe, print_selection
-from autotune.errors import UserError
+from autotune.errors import OneLineGroup, UserError
 from autotune.export import EXPORTERS, export
 from autotune.hardware import Hardware
 from autotune.models import resolve_model
 from autotune.runner import SubprocessRunner
 from autotune.selector import select
 from autotune.space import SearchSpace
+from autotune.storage import mask_url, open_storage
 from autotune.study import (
     DEFAULT_STORAGE,
     Objective,
@@ -29,8 +31,6 @@ from autotune.study import (
     ensure_reference,
     load_existing,
     make_sampler,
-    mask_url,
-    open_storage,
     settings_of,
     workdir_for,
 )
@@ -47,15 +47,19 @@ storage_option = click.option(
     "--storage",
     default=DEFAULT_STORAGE,
     show_default=True,
-    help="Any SQLAlchemy URL (sqlite:///file.db, postgresql://user:pw@host/db).",
+    envvar="AUTOTUNE_STORAGE",
+    help="Any SQLAlchemy URL (sqlite:///file.db, postgresql://user:pw@host/db); or set "
+    "AUTOTUNE_STORAGE, which keeps a password out of the process list.",
 )
 
 
-@click.group()
+@click.group(cls=OneLineGroup)
 @click.version_option(package_name="autotune")
 def main() -> None:
     """Find the fastest way to train a model inside a memory budget, by measurement."""
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    # ERROR: Optuna's warning for a failed trial prints a traceback; autotune stores the reason
+    # and the job's stderr on the trial and shows them itself.
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
     # Optuna flags heartbeats, grouped TPE and metric names as experimental; they are what we want.
     warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
 
@@ -67,12 +71,14 @@ def _optimize(
     timeout: float | None,
     trial_timeout: float,
     storage_url: str,
+    worker: bool = False,
 ) -> None:
     settings = settings_of(study)
     runner = SubprocessRunner(workdir_for(study.study_name), timeout_s=trial_timeout)
     objective = Objective(study, space, runner)
-    ensure_reference(study, space)
-    study.sampler = make_sampler(study, settings.seed)
+    if not worker:  # workers draw trials; queueing the reference is the job of run/resume
+        ensure_reference(study, space)
+    study.sampler = make_sampler(study, settings.seed, salt=os.getpid() if worker else 0)
     with Progress(
         TextColumn("[bold]trials"),
         BarColumn(),
@@ -227,7 +233,7 @@ def resume(
     study_name: str, n_trials: int, storage: str, trial_timeout: float, timeout: float | None
 ) -> None:
     """Continue a study by name with its stored settings."""
-    study = load_existing(open_storage(storage), study_name)
+    study = load_existing(open_storage(storage, must_exist=True), study_name)
     settings = settings_of(study)
     console.print(f"resuming study '{study_name}': {len(study.trials)} trials so far")
     _optimize(
@@ -242,11 +248,50 @@ def resume(
 
 
 @main.command()
+@click.option("--study", "study_name", required=True)
+@storage_option
+@click.option(
+    "--trials",
+    "n_trials",
+    type=click.IntRange(min=1),
+    default=12,
+    show_default=True,
+    help="Trials this worker runs (the study's total is the sum over its workers).",
+)
+@click.option("--trial-timeout", type=click.FloatRange(min=1.0), default=600.0, show_default=True)
+@click.option("--timeout", type=click.FloatRange(min=1.0), default=None)
+def worker(
+    study_name: str, storage: str, n_trials: int, trial_timeout: float, timeout: float | None
+) -> None:
+    """Draw trials from an existing study; run one per machine, or several, at once.
+
+    Every worker runs its trials on its own machine's devices and records them in the shared
+    storage (PostgreSQL across machines; SQLite for workers on one machine).
+    """
+    study = load_existing(open_storage(storage, must_exist=True), study_name)
+    settings = settings_of(study)
+    console.print(
+        f"worker {os.getpid()} on study '{study_name}': {len(study.trials)} trials so far, "
+        f"running {n_trials}"
+    )
+    _optimize(
+        study,
+        SearchSpace.from_dict(settings.space, "study"),
+        n_trials,
+        timeout,
+        trial_timeout,
+        storage,
+        worker=True,
+    )
+    _report(study, storage)
+
+
+@main.command()
 @click.option("--study", "study_name", default=None, help="Default: the most recent study.")
 @storage_option
 def show(study_name: str | None, storage: str) -> None:
     """Print the trials table and the winner from the database alone."""
-    study = load_existing(open_storage(storage), study_name)
+    study = load_existing(open_storage(storage, must_exist=True), study_name)
     _report(study, storage)
 
 
@@ -259,7 +304,9 @@ def export_cmd(study_name: str | None, storage: str, fmt: str, out: Path) -> Non
     """Write the winner as a DeepSpeed, Hugging Face or accelerate config."""
     if fmt not in EXPORTERS:
         raise UserError(f"unknown export format '{fmt}' (known: {', '.join(EXPORTERS)})")
-    study = load_existing(open_storage(storage), study_name)
+    if not out.parent.is_dir():
+        raise UserError(f"cannot write {out}: folder {out.parent} does not exist")
+    study = load_existing(open_storage(storage, must_exist=True), study_name)
     sel = select(study)
     if sel.winner is None:
         raise UserError(

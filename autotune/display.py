@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from autotune.selector import Row, Selection
@@ -55,6 +56,8 @@ def results_table(sel: Selection, title: str = "trials") -> Table:
         status = f"[{style}]{r.status}[/{style}]" if style else r.status
         if r.duplicate_of is not None:
             status += f" (=#{r.duplicate_of})"
+        if r.retry_of is not None:
+            status += f" (retry of #{r.retry_of})"
         mark = " ★" if sel.winner is not None and r.number == sel.winner.number else ""
         table.add_row(
             f"{r.number}{mark}",
@@ -67,8 +70,22 @@ def results_table(sel: Selection, title: str = "trials") -> Table:
     return table
 
 
+def print_failures(console: Console, rows: list[Row]) -> None:
+    """Why each failed trial failed, with the last line of its job's stderr."""
+    retried = {r.retry_of: r.number for r in rows if r.retry_of is not None}
+    for r in rows:
+        if r.status != "failed":
+            continue
+        again = f"; run again as #{retried[r.number]}" if r.number in retried else ""
+        console.print(f"[magenta]#{r.number} failed[/magenta]: {escape(r.error)}{again}")
+        last = next((ln for ln in reversed(r.stderr_tail.splitlines()) if ln.strip()), "")
+        if last:
+            console.print(f"    stderr: {last.strip()}", style="dim", markup=False)
+
+
 def print_selection(console: Console, sel: Selection, title: str = "trials") -> None:
     console.print(results_table(sel, title))
+    print_failures(console, sel.rows)
     budget = format_size(sel.budget_bytes)
     if sel.winner is not None:
         w = sel.winner

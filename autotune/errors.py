@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Sequence
+from typing import Any
+
 import click
 
 
@@ -12,3 +16,33 @@ class UserError(click.ClickException):
     """
 
     exit_code = 2
+
+
+class OneLineGroup(click.Group):
+    """A command group whose errors, click's usage errors too, are one line on stderr.
+
+    click's own handler prints the usage and a help hint above a usage error; here every
+    ``ClickException`` becomes ``Error: <message> (see --help)`` alone, with its exit code.
+    """
+
+    def main(  # type: ignore[override]
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        **extra: Any,
+    ) -> Any:
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, False, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, False, **extra)
+        except click.ClickException as exc:
+            message = " ".join(exc.format_message().split())
+            hint = " (see --help)" if isinstance(exc, click.UsageError) else ""
+            click.echo(f"Error: {message}{hint}", err=True)
+            sys.exit(exc.exit_code)
+        except click.Abort:
+            click.echo("Aborted!", err=True)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)

@@ -16,6 +16,7 @@ import time
 from abc import ABC, abstractmethod
 from pathlib import Path
 
+from trials.lifeline import CONTROLLER_ENV
 from trials.spec import TrialResult, TrialSpec
 
 STDERR_TAIL_LINES = 20
@@ -70,7 +71,12 @@ class SubprocessRunner(TrialRunner):
         stderr_path = trial_dir / "stderr.log"
         result_path.unlink(missing_ok=True)
         spec_path.write_text(spec.to_json())
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
+        env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            CONTROLLER_ENV: str(os.getpid()),  # the job ends itself if this process dies
+        }
         start = time.perf_counter()
         with open(stderr_path, "wb") as err:
             proc = subprocess.Popen(
@@ -81,6 +87,7 @@ class SubprocessRunner(TrialRunner):
                 env=env,
                 start_new_session=True,
             )
+            (trial_dir / "job.pid").write_text(str(proc.pid))
             try:
                 code = proc.wait(timeout=self.timeout_s)
             except subprocess.TimeoutExpired:

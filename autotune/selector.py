@@ -33,6 +33,8 @@ class Row:
     duplicate_of: int | None = None
     memory_breakdown: dict[str, int] | None = None
     predicted: bool = False
+    stderr_tail: str = ""
+    retry_of: int | None = None  # the trial whose controller died, run again as this one
 
     @property
     def feasible(self) -> bool:
@@ -46,6 +48,10 @@ class Selection:
     pareto: list[Row]
     closest: Row | None  # when nothing is feasible: the smallest peak among trials that ran
     budget_bytes: int
+
+
+#: a FAIL with no reason of its own: its controller stopped heartbeating (killed, machine lost)
+STALE = "its controller stopped mid-trial (no heartbeat)"
 
 
 def rows_of(study: optuna.Study) -> list[Row]:
@@ -81,10 +87,12 @@ def rows_of(study: optuna.Study) -> list[Row]:
                 fits=status == "ok" and peak <= settings.budget_bytes,
                 loss_ok=check.ok if check else None,
                 role=a.get("role", ""),
-                error=a.get("error", "") or ("" if t.state != TrialState.FAIL else "trial failed"),
+                error=a.get("error", "") or (STALE if t.state == TrialState.FAIL else ""),
                 duplicate_of=a.get("duplicate_of"),
                 memory_breakdown=a.get("memory_breakdown") or None,
                 predicted=bool(a.get("predicted", False)),
+                stderr_tail=a.get("stderr_tail") or "",
+                retry_of=(t.system_attrs.get("retry_history") or [None])[-1],
             )
         )
     return rows

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import optuna
-from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
+from optuna.storages import RDBStorage
 from optuna.trial import FrozenTrial, TrialState
 
 from autotune.errors import UserError
@@ -29,28 +29,7 @@ from trials.techniques import is_exact
 DEFAULT_STORAGE = "sqlite:///autotune.db"
 #: per-step relative loss difference allowed for exact techniques (float reassociation noise)
 EXACT_RTOL = 1e-3
-HEARTBEAT_S = 10
 MIB = 2**20
-
-
-def mask_url(url: str) -> str:
-    """The storage URL with any password replaced by ``***``."""
-    return re.sub(r"(://[^:/@]+:)[^@]*@", r"\1***@", url)
-
-
-def open_storage(url: str) -> RDBStorage:
-    """An RDB storage with heartbeats: a trial whose controller died is failed and retried once."""
-    try:
-        return RDBStorage(
-            url,
-            heartbeat_interval=HEARTBEAT_S,
-            grace_period=3 * HEARTBEAT_S,
-            heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=1),
-            engine_kwargs={"connect_args": {"timeout": 60}} if url.startswith("sqlite") else None,
-        )
-    except Exception as exc:  # SQLAlchemy raises many kinds; all mean "can't open"
-        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise UserError(f"cannot open storage {mask_url(url)}: {mask_url(reason)[:200]}") from None
 
 
 @dataclass
@@ -207,6 +186,15 @@ def ensure_reference(study: optuna.Study, space: SearchSpace) -> None:
     )
 
 
+def _earlier_reference(study: optuna.Study, number: int) -> bool:
+    return any(
+        t.user_attrs.get("role") == "reference"
+        and t.number < number
+        and t.state in (TrialState.RUNNING, TrialState.COMPLETE)
+        for t in study.get_trials(deepcopy=False)
+    )
+
+
 # --- the objective ---------------------------------------------------------------------------
 
 
@@ -246,7 +234,11 @@ class Objective:
     def __call__(self, trial: optuna.Trial) -> tuple[float, float]:
         config = self.space.sample(trial.suggest_categorical)  # type: ignore[arg-type]
         trial.set_user_attr("config", config)
-        is_reference = trial.user_attrs.get("role") == "reference"
+        role = trial.user_attrs.get("role")
+        if role == "reference" and _earlier_reference(self.study, trial.number):
+            role = ""  # queued twice by processes that started together: one reference is enough
+            trial.set_user_attr("role", role)
+        is_reference = role == "reference"
         earlier = None if is_reference else find_duplicate(self.study, config)
         if earlier is not None:
             result = TrialResult.from_dict(
@@ -261,7 +253,14 @@ class Objective:
             # The reference must produce a loss curve even if it does not fit: it runs unbounded
             # and is judged against the budget afterwards.
             budget = None if is_reference else self.settings.budget_bytes
-            result = self.runner.run(self.settings.spec(config, budget), f"trial-{trial.number}")
+            try:
+                result = self.runner.run(
+                    self.settings.spec(config, budget), f"trial-{trial.number}"
+                )
+            except KeyboardInterrupt:  # the runner has killed the job; say so on the trial
+                trial.set_user_attr("status", "failed")
+                trial.set_user_attr("error", "interrupted (Ctrl-C); its job was stopped")
+                raise
             if (
                 is_reference
                 and result.status == "ok"
@@ -305,11 +304,14 @@ class Objective:
         return result.tokens_per_s, result.peak_bytes / MIB
 
 
-def make_sampler(study: optuna.Study, seed: int) -> optuna.samplers.BaseSampler:
-    """TPE with constraints; reseeded per session so a resumed study does not replay proposals."""
+def make_sampler(study: optuna.Study, seed: int, salt: int = 0) -> optuna.samplers.BaseSampler:
+    """TPE with constraints; reseeded per session so a resumed study does not replay proposals.
+
+    ``salt`` (a worker's pid) keeps workers that start together from proposing the same configs.
+    """
     n_done = len(study.get_trials(deepcopy=False))
     return optuna.samplers.TPESampler(
-        seed=seed + n_done,
+        seed=seed + n_done + salt,
         multivariate=True,
         group=True,
         n_startup_trials=6,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -101,46 +100,3 @@ def test_exports_parse_and_construct(study_dir: Path, monkeypatch: pytest.Monkey
     args = TrainingArguments(**{**hf, "output_dir": str(study_dir / "out"), "use_cpu": True})
     assert args.per_device_train_batch_size == ds["train_micro_batch_size_per_gpu"]
     assert args.gradient_accumulation_steps == ds["gradient_accumulation_steps"]
-
-
-def _digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else "absent"
-
-
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        (["run", "--model", "tiny-llama", "--budget", "24XB"], "invalid budget '24XB'"),
-        (["run", "--model", "tiny-llama", "--budget", "-1GB"], "greater than zero"),
-        (["run", "--model", "lama-7b", "--budget", "24GB"], "did you mean llama-7b"),
-        (
-            [
-                "run",
-                "--model",
-                "tiny-llama",
-                "--budget",
-                "1GB",
-                "--storage",
-                "sqlite:////no/such/dir/x.db",
-            ],
-            "cannot open storage",
-        ),
-        (
-            ["run", "--model", "tiny-llama", "--budget", "1GB", "--space", "missing.yaml"],
-            "search space file not found",
-        ),
-        (["run", "--model", "tiny-llama", "--budget", "1GB", "--trials", "0"], "--trials"),
-        (["export", "--format", "xml", "--out", "x"], "unknown export format 'xml'"),
-        (["show", "--study", "nope"], "no study named 'nope'"),
-    ],
-)
-def test_bad_input_is_one_line_exit_2(
-    args: list[str], message: str, study_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.chdir(study_dir)
-    before = _digest(study_dir / "autotune.db")
-    result = cli(*args)
-    assert result.exit_code == 2, result.output
-    assert message in result.output
-    assert "Traceback" not in result.output
-    assert _digest(study_dir / "autotune.db") == before

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from trials.data import batch_for_step
+from trials.lifeline import start_lifeline
 from trials.memory import MemoryMonitor, make_monitor
 from trials.spec import TrialResult, TrialSpec
 from trials.techniques import ATTENTION, CHECKPOINTING, OPTIMIZERS, PRECISIONS
@@ -161,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m trials.job SPEC.json RESULT.json", file=sys.stderr)
         return 2
     spec_path, result_path = Path(args[0]), Path(args[1])
+    start_lifeline()
     try:
         result = run_trial(TrialSpec.load(spec_path))
     except Exception as exc:  # a trial's failure is data for the study, not a crash of the job
