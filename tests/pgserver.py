@@ -9,6 +9,7 @@ password, so the tests can check that the password is never printed.
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 import pwd
 import shutil
@@ -69,6 +70,8 @@ class Cluster:
 
 
 def start(timeout_s: float = 60.0) -> Cluster:
+    if importlib.util.find_spec("psycopg") is None:
+        raise Unavailable("psycopg is not installed (pip install 'autotune[postgres]')")
     initdb, postgres = find_binary("initdb"), find_binary("postgres")
     if initdb is None or postgres is None:
         raise Unavailable("no PostgreSQL server binaries (apt-get install postgresql)")

@@ -106,7 +106,7 @@ def test_lifeline_ends_the_job_group_when_its_controller_is_killed(tmp_path: Pat
 
 def test_kill_9_mid_trial_then_resume_retries_once_and_loses_nothing(tmp_path: Path) -> None:
     storage = f"sqlite:///{tmp_path / 'study.db'}"
-    proc = _autotune(*_run_args(3, storage), cwd=tmp_path)
+    proc = _autotune(*_run_args(2, storage), cwd=tmp_path)
     try:
         _wait_for("trial 1's job", lambda: _running_job(tmp_path, 1) is not None, proc)
         job = _running_job(tmp_path, 1)
@@ -123,15 +123,14 @@ def test_kill_9_mid_trial_then_resume_retries_once_and_loses_nothing(tmp_path: P
     killed_config = before[1].user_attrs["config"]
     # the stale trial is failed once its heartbeat is older than the grace period
     time.sleep(max(0.0, GRACE_FACTOR * HEARTBEAT + 0.5 - (time.monotonic() - killed_at)))
-    resumed = _autotune("resume", "--study", STUDY, "--trials", "2", "--storage", storage,
+    resumed = _autotune("resume", "--study", STUDY, "--trials", "1", "--storage", storage,
                         cwd=tmp_path)  # fmt: skip
     out, err = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, out + err
 
     after = _trials(storage)
-    assert [t.number for t in after] == [0, 1, 2, 3]
-    complete, fail = TrialState.COMPLETE, TrialState.FAIL
-    assert [t.state for t in after] == [complete, fail, complete, complete]
+    assert [t.number for t in after] == [0, 1, 2]
+    assert [t.state for t in after] == [TrialState.COMPLETE, TrialState.FAIL, TrialState.COMPLETE]
     assert after[0].user_attrs == before[0].user_attrs  # the finished trial: not lost, not redone
     assert after[0].values == before[0].values
     retry = after[2]

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# PostgreSQL server binaries for the many-workers tests (tests/pgserver.py starts a throwaway
+# cluster of its own on 127.0.0.1, in a temporary folder). From Debian's packages. Where they
+# can't be installed the script says so and those tests are skipped, with the reason printed in
+# pytest's summary (-rs).
+set -uo pipefail
+if ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
+    echo "postgresql: $(ls -d /usr/lib/postgresql/*/bin | tail -1)"
+    exit 0
+fi
+if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
+    echo "WARNING: cannot apt-get install postgresql here; the PostgreSQL tests will be skipped"
+    exit 0
+fi
+export DEBIAN_FRONTEND=noninteractive
+# no default cluster: the tests make their own, and nothing should listen on 5432 after CI
+mkdir -p /etc/postgresql-common
+echo "create_main_cluster = false" > /etc/postgresql-common/createcluster.conf
+if apt-get update -qq && apt-get install -y -qq --no-install-recommends \
+    -o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold postgresql >/dev/null
+then
+    echo "postgresql: $(ls -d /usr/lib/postgresql/*/bin | tail -1)"
+else
+    echo "WARNING: apt-get install postgresql failed; the PostgreSQL tests will be skipped"
+fi

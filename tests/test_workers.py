@@ -1,0 +1,124 @@
+"""Many workers on one study: concurrent `autotune worker` processes on SQLite and PostgreSQL.
+
+Each worker is the real CLI in its own process, running real trial jobs; the study is made as
+`autotune run` makes it, with the reference queued, so one of the workers runs it. Afterwards:
+as many trials as the workers were asked for, each number once, none left running, the
+reference run once, and `autotune show` names the winner the selector computes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from autotune.selector import select
+from autotune.space import SearchSpace
+from autotune.storage import HEARTBEAT_ENV, open_storage
+from autotune.study import ensure_reference, load_existing, settings_of
+from tests import pgserver
+from tests.studies import make_study
+
+TINY_SPACE = Path(__file__).parent / "data" / "tiny_space.yaml"
+ENV = {**os.environ, HEARTBEAT_ENV: "2", "PYTHONUNBUFFERED": "1"}
+
+
+def _new_study(storage: str, name: str) -> None:
+    """A study as `autotune run` leaves it before its first trial: settings and the reference."""
+    study = make_study(storage, name, TINY_SPACE)
+    ensure_reference(study, SearchSpace.from_dict(settings_of(study).space, "study"))
+
+
+def _workers(storage: str, name: str, trials: list[int], cwd: Path) -> list[str]:
+    """Start one worker per entry of ``trials`` at once; wait for all; their outputs."""
+    command = [sys.executable, "-m", "autotune.cli", "worker", "--study", name]
+    procs = [
+        subprocess.Popen(
+            [*command, "--storage", storage, "--trials", str(n)],
+            cwd=cwd,
+            env=ENV,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for n in trials
+    ]
+    outputs = []
+    for p in procs:
+        out, _ = p.communicate(timeout=600)
+        assert p.returncode == 0, out
+        outputs.append(out)
+    return outputs
+
+
+def _check_study(storage: str, name: str, expected: int, cwd: Path) -> optuna.Study:
+    study = load_existing(open_storage(storage), name)
+    trials = study.get_trials()
+    assert len(trials) == expected
+    assert sorted(t.number for t in trials) == list(range(expected))  # each number once
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * expected, [
+        (t.number, t.state.name, t.user_attrs.get("error")) for t in trials
+    ]
+    assert sum(t.user_attrs.get("role") == "reference" for t in trials) == 1
+    assert study.user_attrs.get("reference_losses")
+
+    winner = select(study).winner
+    assert winner is not None
+    shown = subprocess.run(
+        [sys.executable, "-m", "autotune.cli", "show", "--study", name, "--storage", storage],
+        cwd=cwd, env=ENV, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    match = re.search(r"^winner: trial (\d+):", shown.stdout, re.MULTILINE)
+    assert match and int(match.group(1)) == winner.number, shown.stdout
+    return study
+
+
+def test_two_workers_on_one_sqlite_file(tmp_path: Path) -> None:
+    storage = f"sqlite:///{tmp_path / 'shared.db'}"
+    _new_study(storage, "sqlite-workers")
+    start = time.monotonic()
+    _workers(storage, "sqlite-workers", [2, 2], tmp_path)
+    print(f"2 SQLite workers x 2 trials: {time.monotonic() - start:.1f}s")
+    _check_study(storage, "sqlite-workers", 4, tmp_path)
+    with sqlite3.connect(tmp_path / "shared.db") as db:
+        assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+
+
+@pytest.fixture(scope="module")
+def postgres_url() -> Iterator[str]:
+    """A real PostgreSQL: the URL in AUTOTUNE_TEST_PG_URL, or a throwaway cluster started here."""
+    given = os.environ.get(pgserver.PG_URL_ENV)
+    if given:
+        yield given
+        return
+    try:
+        cluster = pgserver.start()
+    except pgserver.Unavailable as exc:
+        pytest.skip(f"POSTGRESQL TESTS SKIPPED: {exc}")
+    try:
+        yield cluster.url
+    finally:
+        cluster.stop()
+
+
+def test_three_workers_on_postgresql(postgres_url: str, tmp_path: Path) -> None:
+    name = f"pg-workers-{os.getpid()}-{time.time_ns()}"
+    _new_study(postgres_url, name)
+    start = time.monotonic()
+    outputs = _workers(postgres_url, name, [2, 2, 2], tmp_path)
+    print(f"3 PostgreSQL workers x 2 trials: {time.monotonic() - start:.1f}s")
+    _check_study(postgres_url, name, 6, tmp_path)
+    password = re.search(r"://[^:/@]+:([^@]*)@", postgres_url)
+    if password and password.group(1):
+        for out in outputs:
+            assert password.group(1) not in out
+            assert "***@" in out  # the report names the storage, masked
