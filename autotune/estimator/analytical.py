@@ -1,0 +1,144 @@
+"""The analytical estimator: closed-form bytes, instant, for any config.
+
+Activations follow Korthikanti et al. 2022 (bytes per token per layer, s x s scores only for
+eager attention) but counted for the LLaMA decoder as transformers runs it, tensor by tensor
+(tokens T = s*b, hidden h, MLP width I, attention width q = a*d, key/value width k*d):
+
+* residual stream and RMSNorm run in fp32 under autocast (transformers upcasts the norm), so
+  each norm keeps its fp32 input, normalised and scaled outputs; the linears keep 16-bit copies
+  of their inputs; q, k, v after RoPE, the attention output and its contiguous copy; the MLP
+  keeps gate, up, SiLU(gate) and their product. Per token per layer:
+  fp32: 4*(6h + 2q + 2kd + q + 4I) = 4*(6h + 3q + 2kd + 4I); 16-bit: 24h + 4h + 2*(3q + 2kd) + 8I.
+* eager attention adds the softmax output per layer: b*a*s^2 x 4 bytes (fp32) or 6 (fp32
+  softmax + its 16-bit copy), i.e. Korthikanti's 5as/h term; sdpa/flash keep none of it.
+* autocast keeps a 16-bit copy of every linear weight for backward (2 bytes per linear param).
+* full checkpointing keeps each layer's input (4h per token) plus one layer recomputed at a
+  time in backward; selective every k-th layer keeps the others whole.
+* logits and loss: fp32 log-softmax kept from forward; at the start of backward its gradient and
+  the logits' gradient: 12 T*v bytes (+2 T*v of 16-bit logits in forward under autocast).
+
+The peak is the largest of four moments: end of forward, start of backward (logits gradients),
+end of backward (all gradients and the last recomputed layer), optimizer step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from autotune.estimator.base import PARTS, Estimate, Estimator
+from autotune.estimator.gpus import GpuSpec
+from autotune.estimator.speed import roofline
+from autotune.estimator.states import (
+    layer_linear_shapes,
+    model_states,
+    numel,
+    param_shapes,
+    uses_deepspeed,
+)
+
+
+def _dims(cfg: dict[str, Any]) -> tuple[int, int, int, int, int, int, int]:
+    h = int(cfg["hidden_size"])
+    heads = int(cfg["num_attention_heads"])
+    kv = int(cfg.get("num_key_value_heads") or heads)
+    d = int(cfg.get("head_dim") or h // heads)
+    inter = int(cfg.get("intermediate_size") or 4 * h)
+    return h, heads, kv, d, inter, int(cfg["num_hidden_layers"]), int(cfg["vocab_size"])
+
+
+def layer_activation_bytes(
+    cfg: dict[str, Any], config: dict[str, Any], seq_len: int, micro: int
+) -> int:
+    """Bytes one decoder layer keeps for backward (no checkpointing)."""
+    h, heads, kv, d, inter, _, _ = _dims(cfg)
+    tokens = seq_len * micro
+    q, kvw = heads * d, kv * d
+    half = config.get("precision", "fp32") in ("bf16", "fp16")
+    if half:
+        per_token = 24 * h + 4 * h + 2 * (3 * q + 2 * kvw) + 8 * inter
+    else:
+        per_token = 4 * (6 * h + 3 * q + 2 * kvw + 4 * inter)
+    total = per_token * tokens
+    if config.get("attention", "sdpa") == "eager":
+        total += (6 if half else 4) * micro * heads * seq_len * seq_len
+    return total
+
+
+class AnalyticalEstimator(Estimator):
+    name = "analytical"
+
+    def estimate(
+        self,
+        model_config: dict[str, Any],
+        config: dict[str, Any],
+        *,
+        seq_len: int,
+        global_batch_size: int,
+        nproc: int = 1,
+        gpu: GpuSpec | None = None,
+    ) -> Estimate:
+        cfg = model_config
+        h, _, _, _, _, layers, vocab = _dims(cfg)
+        micro = int(config.get("micro_batch_size", global_batch_size))
+        accum = max(1, global_batch_size // micro)
+        tokens = micro * seq_len
+        half = config.get("precision", "fp32") in ("bf16", "fp16")
+        deepspeed = uses_deepspeed(config)
+        states = model_states(cfg, config, nproc)
+        params = states.parts["parameters"]
+        grads = states.parts["gradients"]
+        optim = states.parts["optimizer_states"]
+
+        shapes = param_shapes(cfg)
+        linear_params = sum(numel(s) for s in layer_linear_shapes(cfg)) * layers
+        head_params = vocab * h
+        quantized = str(config.get("quantization", "none") or "none") != "none"
+        # frozen quantized weights are dequantized per use, not kept as 16-bit copies
+        cached_params = head_params + (0 if quantized else linear_params)
+        weight_cache = 2 * cached_params if half and not deepspeed else 0
+        layer_weight_cache = (
+            2 * sum(numel(s) for s in layer_linear_shapes(cfg)) if half and not quantized else 0
+        )
+
+        per_layer = layer_activation_bytes(cfg, config, seq_len, micro)
+        stream = (2 if deepspeed and half else 4) * h * tokens  # a layer's input
+        ckpt = str(config.get("gradient_checkpointing", "off"))
+        every = {"off": 0, "full": 1}.get(ckpt, int(config.get("checkpoint_every", 2)))
+        n_ckpt = layers // every if every else 0
+        kept = n_ckpt * stream + (layers - n_ckpt) * per_layer
+        recompute = (per_layer + layer_weight_cache) if every else 0
+        # embedding output and the final norm (fp32 input, normalised, scaled, 16-bit copy)
+        head_acts = (4 + 4 + 4 + (2 if half else 0)) * h * tokens
+        fwd_logits = (10 if half else 8) * tokens * vocab
+        bwd_logits = 12 * tokens * vocab
+        acts = kept + head_acts
+        cache_in_fwd = weight_cache
+        cache_in_bwd = 0 if every == 1 else weight_cache * (layers - n_ckpt) // max(1, layers)
+        grads_before = grads if accum > 1 else 0
+        largest = max(numel(s) for s in shapes)
+        step_temps = 2 * 4 * largest if not deepspeed else 0
+
+        moments = {
+            "end of forward": (grads_before, acts + cache_in_fwd, fwd_logits, 0),
+            "start of backward": (grads_before, acts + cache_in_bwd, bwd_logits, 0),
+            "end of backward": (grads, n_ckpt * stream + recompute, 0, 0),
+            "optimizer step": (grads, 0, 0, step_temps),
+        }
+        peak, where, breakdown = -1, "", {k: 0 for k in PARTS}
+        for name, (g, a, lg, tmp) in moments.items():
+            total = params + optim + g + a + lg + tmp + states.extra
+            if total > peak:
+                peak, where = total, name
+                breakdown = {
+                    "parameters": params,
+                    "gradients": g,
+                    "optimizer_states": optim,
+                    "activations": a,
+                    "logits/loss": lg,
+                    "temporaries": tmp + states.extra,
+                }
+        notes = [f"peak at {where}", *states.notes]
+        est = Estimate(int(peak), breakdown, method=self.name, notes=notes)
+        if gpu is not None:
+            roofline(est, model_config, config, seq_len, global_batch_size, nproc, gpu)
+        return est

@@ -1,0 +1,49 @@
+"""One interface for memory/speed estimators: a model config and a trial config in, an
+``Estimate`` (peak bytes per GPU, its breakdown, predicted tokens/s) out."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+from autotune.estimator.gpus import GpuSpec
+
+#: the parts of a peak, in display order
+PARTS = (
+    "parameters",
+    "gradients",
+    "optimizer_states",
+    "activations",
+    "logits/loss",
+    "temporaries",
+)
+
+
+@dataclass
+class Estimate:
+    peak_bytes: int
+    breakdown: dict[str, int]
+    tokens_per_s: float = 0.0
+    step_time_s: float = 0.0
+    method: str = ""
+    gpu: str = ""
+    notes: list[str] = field(default_factory=list)
+
+
+class Estimator(ABC):
+    """Predicts the per-GPU peak memory (and, with the roofline model, the speed) of a config."""
+
+    name: str = "base"
+
+    @abstractmethod
+    def estimate(
+        self,
+        model_config: dict[str, Any],
+        config: dict[str, Any],
+        *,
+        seq_len: int,
+        global_batch_size: int,
+        nproc: int = 1,
+        gpu: GpuSpec | None = None,
+    ) -> Estimate: ...

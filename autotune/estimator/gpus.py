@@ -1,0 +1,85 @@
+"""GPU spec table for the speed model and for choosing a target GPU without one.
+
+Dense (no structured sparsity) peak tensor-core throughput, from NVIDIA's datasheets and
+architecture whitepapers: H100/H200 SXM datasheets, A100 datasheet (SXM), A10 and L4
+datasheets, the Ada Lovelace whitepaper (RTX 4090: FP16/BF16 with FP32 accumulate) and the
+Ampere GA102 whitepaper (RTX 3090, same), the V100 SXM2 datasheet (no bf16). ``fp32`` is the
+plain (non-TF32) FP32 rate. Link bandwidths are per direction: PCIe 3/4/5 x16 = 16/32/64 GB/s;
+NVLink is the datasheet's total per GPU divided by two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autotune.errors import UserError
+
+GB = 10**9
+GIB = 2**30
+TERA = 10**12
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    key: str
+    name: str
+    memory_bytes: int
+    bf16_tflops: float  # 0 when the GPU has no bf16 tensor cores
+    fp16_tflops: float
+    fp32_tflops: float
+    hbm_gbps: float  # device memory bandwidth, GB/s
+    pcie_gbps: float  # host link, per direction, GB/s
+    nvlink_gbps: float  # GPU-GPU per direction, GB/s (0: PCIe only)
+    sm: tuple[int, int]  # CUDA compute capability
+
+    def flops_per_s(self, precision: str) -> float:
+        tflops = {"bf16": self.bf16_tflops, "fp16": self.fp16_tflops}.get(
+            precision, self.fp32_tflops
+        )
+        return tflops * TERA
+
+    @property
+    def interconnect_gbps(self) -> float:
+        return self.nvlink_gbps or self.pcie_gbps
+
+
+GPUS: dict[str, GpuSpec] = {
+    g.key: g
+    for g in [
+        GpuSpec("h200", "NVIDIA H200 SXM 141GB", 141 * GB, 989, 989, 67, 4800, 64, 450, (9, 0)),
+        GpuSpec("h100", "NVIDIA H100 SXM 80GB", 80 * GB, 989, 989, 67, 3350, 64, 450, (9, 0)),
+        GpuSpec(
+            "a100-80gb", "NVIDIA A100 SXM 80GB", 80 * GB, 312, 312, 19.5, 2039, 32, 300, (8, 0)
+        ),
+        GpuSpec(
+            "a100-40gb", "NVIDIA A100 SXM 40GB", 40 * GB, 312, 312, 19.5, 1555, 32, 300, (8, 0)
+        ),
+        GpuSpec("v100", "NVIDIA V100 SXM2 32GB", 32 * GIB, 0, 125, 15.7, 900, 16, 150, (7, 0)),
+        GpuSpec(
+            "rtx4090", "NVIDIA GeForce RTX 4090", 24 * GIB, 165.2, 165.2, 82.6, 1008, 32, 0, (8, 9)
+        ),
+        GpuSpec("rtx3090", "NVIDIA GeForce RTX 3090", 24 * GIB, 71, 71, 35.6, 936, 32, 56, (8, 6)),
+        GpuSpec("a10g", "NVIDIA A10G 24GB", 24 * GIB, 125, 125, 31.2, 600, 32, 0, (8, 6)),
+        GpuSpec("l4", "NVIDIA L4 24GB", 24 * GIB, 121, 121, 30.3, 300, 32, 0, (8, 9)),
+    ]
+}
+
+
+def gpu_spec(key: str) -> GpuSpec:
+    k = key.lower().replace("_", "-").replace(" ", "")
+    if k in GPUS:
+        return GPUS[k]
+    raise UserError(f"unknown GPU '{key}' (known: {', '.join(GPUS)})")
+
+
+def default_gpu(budget_bytes: int) -> GpuSpec:
+    """The smallest card whose memory holds the budget (the fastest of equals); else the
+    largest card. A 24GB budget gets an RTX 4090."""
+    fitting = [g for g in GPUS.values() if g.memory_bytes >= budget_bytes]
+    if not fitting:
+        return max(GPUS.values(), key=lambda g: g.memory_bytes)
+    smallest = min(g.memory_bytes for g in fitting)
+    return max(
+        (g for g in fitting if g.memory_bytes == smallest),
+        key=lambda g: g.flops_per_s("bf16"),
+    )

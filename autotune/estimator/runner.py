@@ -1,0 +1,81 @@
+"""Trial runners built on the estimators.
+
+* ``EstimateRunner``: the whole study on predictions for a target GPU (``--backend estimate``):
+  a trial's result is the predicted peak and tokens/s; over the budget it is an ``oom``.
+* ``PrescreenRunner``: wraps a real runner on a GPU and skips, without launching, a
+  configuration predicted over the budget by more than ``margin``; the skipped trial is an
+  ``oom`` with the predicted peak, so the sampler still learns from it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from autotune.estimator.base import Estimate, Estimator
+from autotune.estimator.gpus import GpuSpec
+from autotune.runner import TrialRunner
+from autotune.units import format_size
+from trials.spec import TrialResult, TrialSpec
+
+PRUNED = "pruned by estimate"
+
+
+def _estimate(estimator: Estimator, spec: TrialSpec, gpu: GpuSpec | None) -> Estimate:
+    return estimator.estimate(
+        spec.model_config,
+        spec.config,
+        seq_len=spec.seq_len,
+        global_batch_size=spec.global_batch_size,
+        nproc=spec.nproc,
+        gpu=gpu,
+    )
+
+
+class EstimateRunner(TrialRunner):
+    def __init__(self, estimator: Estimator, gpu: GpuSpec) -> None:
+        self.estimator = estimator
+        self.gpu = gpu
+
+    def run(self, spec: TrialSpec, name: str) -> TrialResult:
+        est = _estimate(self.estimator, spec, self.gpu)
+        over = spec.budget_bytes is not None and est.peak_bytes > spec.budget_bytes
+        return TrialResult(
+            status="oom" if over else "ok",
+            peak_bytes=est.peak_bytes,
+            tokens_per_s=0.0 if over else est.tokens_per_s,
+            memory_breakdown=est.breakdown,
+            error=(
+                f"predicted peak {format_size(est.peak_bytes)} is over the budget "
+                f"{format_size(spec.budget_bytes)}"
+                if over and spec.budget_bytes is not None
+                else ""
+            ),
+        )
+
+    def attrs_for(self, result: TrialResult) -> dict[str, Any]:
+        return {"predicted": True, "predicted_for": self.gpu.name, "estimator": self.estimator.name}
+
+
+class PrescreenRunner(TrialRunner):
+    def __init__(self, inner: TrialRunner, estimator: Estimator, margin: float = 0.25) -> None:
+        self.inner = inner
+        self.estimator = estimator
+        self.margin = margin
+
+    def run(self, spec: TrialSpec, name: str) -> TrialResult:
+        if spec.budget_bytes is not None:
+            est = _estimate(self.estimator, spec, None)
+            if est.peak_bytes > spec.budget_bytes * (1 + self.margin):
+                return TrialResult(
+                    status="oom",
+                    peak_bytes=est.peak_bytes,
+                    memory_breakdown=est.breakdown,
+                    error=f"{PRUNED}: predicted peak {format_size(est.peak_bytes)} > budget "
+                    f"{format_size(spec.budget_bytes)} + {self.margin:.0%}",
+                )
+        return self.inner.run(spec, name)
+
+    def attrs_for(self, result: TrialResult) -> dict[str, Any]:
+        if result.error.startswith(PRUNED):
+            return {"pruned_by_estimate": True, "predicted": True}
+        return self.inner.attrs_for(result)
