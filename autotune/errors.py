@@ -18,6 +18,14 @@ class UserError(click.ClickException):
     exit_code = 2
 
 
+def _is_storage_error(exc: BaseException) -> bool:
+    """A database error (connection lost, locked too long): one line, never a traceback."""
+    import optuna
+    import sqlalchemy.exc
+
+    return isinstance(exc, (sqlalchemy.exc.SQLAlchemyError, optuna.exceptions.StorageInternalError))
+
+
 class OneLineGroup(click.Group):
     """A command group whose errors, click's usage errors too, are one line on stderr.
 
@@ -44,5 +52,13 @@ class OneLineGroup(click.Group):
             sys.exit(exc.exit_code)
         except click.Abort:
             click.echo("Aborted!", err=True)
+            sys.exit(1)
+        except Exception as exc:
+            if not _is_storage_error(exc):
+                raise
+            from autotune.storage import mask_url
+
+            lines = str(exc).strip().splitlines() or [type(exc).__name__]
+            click.echo(f"Error: the study's storage failed: {mask_url(lines[0])[:300]}", err=True)
             sys.exit(1)
         sys.exit(code if isinstance(code, int) else 0)

@@ -20,6 +20,8 @@ from trials.lifeline import CONTROLLER_ENV
 from trials.spec import TrialResult, TrialSpec
 
 STDERR_TAIL_LINES = 20
+#: the CLI's storage URL variable
+STORAGE_ENV = "AUTOTUNE_STORAGE"
 
 
 class TrialRunner(ABC):
@@ -77,6 +79,7 @@ class SubprocessRunner(TrialRunner):
             "TOKENIZERS_PARALLELISM": "false",
             CONTROLLER_ENV: str(os.getpid()),  # the job ends itself if this process dies
         }
+        env.pop(STORAGE_ENV, None)  # a job never needs the storage URL (it may hold a password)
         start = time.perf_counter()
         with open(stderr_path, "wb") as err:
             proc = subprocess.Popen(
