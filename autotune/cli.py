@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import warnings
@@ -13,13 +14,14 @@ import optuna
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from autotune.display import describe, print_selection
+from autotune.display import describe, ladder_table, print_selection
 from autotune.errors import OneLineGroup, UserError
 from autotune.export import EXPORTERS, export
 from autotune.hardware import Hardware
+from autotune.ladder import ladder_cells, run_ladder
 from autotune.models import resolve_model
 from autotune.runner import SubprocessRunner
-from autotune.selector import select
+from autotune.selector import select, selection_json
 from autotune.space import SearchSpace
 from autotune.storage import mask_url, open_storage
 from autotune.study import (
@@ -156,6 +158,11 @@ def _report(study: optuna.Study, storage_url: str) -> None:
 @click.option("--seq-len", type=click.IntRange(min=8), default=None)
 @click.option("--global-batch-size", type=click.IntRange(min=1), default=None)
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option(
+    "--ladder",
+    is_flag=True,
+    help="Then measure the ablation ladder from the plain baseline to the winner.",
+)
 def run(
     model: str,
     budget: str,
@@ -170,6 +177,7 @@ def run(
     seq_len: int | None,
     global_batch_size: int | None,
     seed: int,
+    ladder: bool,
 ) -> None:
     """Run (or continue) a study of real training trials."""
     budget_bytes = parse_size(budget)
@@ -215,6 +223,34 @@ def run(
         storage,
     )
     _report(study, storage)
+    if ladder:
+        _climb(study, trial_timeout, storage)
+
+
+def _climb(study: optuna.Study, trial_timeout: float, storage_url: str) -> None:
+    """Run the ladder's missing rungs into the study, then print the ladder."""
+    space = SearchSpace.from_dict(settings_of(study).space, "study")
+
+    def optimize(n: int) -> None:
+        console.print(f"ablation ladder: measuring {n} configuration(s)")
+        _optimize(study, space, n, None, trial_timeout, storage_url)
+
+    climbed = run_ladder(study, space, optimize)
+    console.print(ladder_table(ladder_cells(climbed), climbed.budget_bytes))
+    winner = select(study).winner
+    if winner is not None and climbed.target is not None and winner.number != climbed.target.number:
+        console.print(f"[yellow]the winner is now trial {winner.number}[/yellow]")
+
+
+def _ranks(nproc: int | None, gpus: int | None, hardware: Hardware) -> int:
+    """Processes per trial: --gpus N on CUDA, --nproc N on the CPU."""
+    if gpus is not None and hardware.backend != "cuda":
+        raise UserError("--gpus needs the cuda backend; on the CPU use --nproc N")
+    if nproc is not None and hardware.backend == "cuda":
+        raise UserError("--nproc is for CPU trials; on CUDA use --gpus N")
+    if gpus is not None and gpus > hardware.gpu_count:
+        raise UserError(f"--gpus {gpus}: only {hardware.gpu_count} CUDA GPU(s) visible here")
+    return gpus or nproc or 1
 
 
 def _cuda_available() -> bool:
@@ -225,26 +261,42 @@ def _cuda_available() -> bool:
 
 @main.command()
 @click.option("--study", "study_name", required=True)
-@click.option("--trials", "n_trials", type=click.IntRange(min=1), default=12, show_default=True)
+@click.option(
+    "--trials",
+    "n_trials",
+    type=click.IntRange(min=0),
+    default=12,
+    show_default=True,
+    help="0 with --ladder: only the ladder.",
+)
 @storage_option
 @click.option("--trial-timeout", type=click.FloatRange(min=1.0), default=600.0, show_default=True)
 @click.option("--timeout", type=click.FloatRange(min=1.0), default=None)
+@click.option("--ladder", is_flag=True, help="Then measure the missing rungs of the ladder.")
 def resume(
-    study_name: str, n_trials: int, storage: str, trial_timeout: float, timeout: float | None
+    study_name: str,
+    n_trials: int,
+    storage: str,
+    trial_timeout: float,
+    timeout: float | None,
+    ladder: bool,
 ) -> None:
     """Continue a study by name with its stored settings."""
     study = load_existing(open_storage(storage, must_exist=True), study_name)
     settings = settings_of(study)
     console.print(f"resuming study '{study_name}': {len(study.trials)} trials so far")
-    _optimize(
-        study,
-        SearchSpace.from_dict(settings.space, "study"),
-        n_trials,
-        timeout,
-        trial_timeout,
-        storage,
-    )
+    if n_trials:
+        _optimize(
+            study,
+            SearchSpace.from_dict(settings.space, "study"),
+            n_trials,
+            timeout,
+            trial_timeout,
+            storage,
+        )
     _report(study, storage)
+    if ladder:
+        _climb(study, trial_timeout, storage)
 
 
 @main.command()
@@ -289,10 +341,43 @@ def worker(
 @main.command()
 @click.option("--study", "study_name", default=None, help="Default: the most recent study.")
 @storage_option
-def show(study_name: str | None, storage: str) -> None:
+@click.option("--json", "as_json", is_flag=True, help="Print the trials and winner as JSON.")
+def show(study_name: str | None, storage: str, as_json: bool) -> None:
     """Print the trials table and the winner from the database alone."""
     study = load_existing(open_storage(storage, must_exist=True), study_name)
+    if as_json:
+        click.echo(json.dumps(selection_json(study), indent=2))
+        return
     _report(study, storage)
+
+
+@main.command()
+@click.option("--study", "study_name", default=None, help="Default: the most recent study.")
+@storage_option
+@click.option(
+    "--out",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("autotune_report"),
+    show_default=True,
+    help="Folder for pareto.png, memory.png, report.md and report.html.",
+)
+def report(study_name: str | None, storage: str, out: Path) -> None:
+    """Write the Pareto plot, the memory breakdown and the ablation ladder (runs nothing)."""
+    from autotune.report import write_report  # matplotlib: only for this command
+
+    study = load_existing(open_storage(storage, must_exist=True), study_name)
+    if not out.parent.exists():
+        raise UserError(f"cannot write {out}: folder {out.parent} does not exist")
+    written = write_report(study, out)
+    console.print(ladder_table(ladder_cells(written.ladder), written.ladder.budget_bytes))
+    if not written.ladder.complete and written.ladder.target is not None:
+        console.print(
+            f"[yellow]{len(written.ladder.missing)} ladder configuration(s) not measured; "
+            f"run them with[/yellow] autotune resume --study {study.study_name} --trials 0 --ladder"
+        )
+    for path in (written.pareto_png, written.memory_png, written.markdown, written.html):
+        if path is not None:
+            console.print(f"wrote {path}")
 
 
 @main.command("export")

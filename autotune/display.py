@@ -101,3 +101,43 @@ def print_selection(console: Console, sel: Selection, title: str = "trials") -> 
         )
     else:
         console.print("[bold red]no trial has finished yet[/bold red]")
+
+
+#: ladder cells shown in the terminal, with their header
+LADDER_HEADERS = {
+    "step": "step",
+    "adds": "adds",
+    "peak": "peak",
+    "saved": "saved",
+    "alone": "alone",
+    "tok/s": "tok/s",
+    "speed": "speed",
+    "loss": "loss vs ref",
+    "trial": "trial",
+}
+
+
+def ladder_table(cells: list[dict[str, str]], budget_bytes: int) -> Table:
+    """The ablation ladder; ``saved`` is vs the rung below, ``alone`` on the baseline alone."""
+    table = Table(
+        title=f"ablation ladder (budget {format_size(budget_bytes)})",
+        title_justify="left",
+        expand=False,
+    )
+    for key, header in LADDER_HEADERS.items():
+        table.add_column(
+            header,
+            justify="left" if key in ("adds", "trial") else "right",
+            overflow="fold",
+            max_width=24 if key == "adds" else None,
+        )
+    for cell in cells:
+        values = dict(cell)
+        if cell.get("fits") == "no":
+            values["peak"] = f"[red]{cell['peak']}[/red]"
+        elif cell.get("fits") == "yes":
+            values["peak"] = f"[green]{cell['peak']}[/green]"
+        if "estimated" in cell.get("trial", ""):
+            values["trial"] = f"[cyan]{cell['trial']}[/cyan]"
+        table.add_row(*(values[k] for k in LADDER_HEADERS))
+    return table

@@ -6,6 +6,7 @@ One table of exporters; each turns (trial config, study settings) into a file's 
 from __future__ import annotations
 
 import json
+import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,8 +98,9 @@ def accelerate_config(config: dict[str, Any], settings: StudySettings) -> dict[s
         "machine_rank": 0,
         "main_training_function": "main",
         "use_cpu": settings.backend == "cpu",
-        "gradient_accumulation_steps": accum,
     }
+    # accelerate's config file has no top-level accumulation key (its loader rejects one): the
+    # steps go to the training script (`autotune export --format command`), or to DeepSpeed
     if int(config.get("zero_stage", 0)) > 0:
         cfg["distributed_type"] = "DEEPSPEED"
         cfg["deepspeed_config"] = {
@@ -129,12 +131,103 @@ def _render_hf(config: dict[str, Any], settings: StudySettings, out: Path) -> st
     return _json(hf_training_arguments(config, settings, ds_path))
 
 
+def _side_deepspeed(config: dict[str, Any], settings: StudySettings, out: Path) -> str | None:
+    """For a ZeRO trial, write its DeepSpeed JSON next to ``out`` and return the path."""
+    if int(config.get("zero_stage", 0)) == 0:
+        return None
+    ds_file = out.with_name(out.stem + ".deepspeed.json")
+    ds_file.write_text(_json(deepspeed_config(config, settings)))
+    return str(ds_file)
+
+
+#: config ``adapter`` value -> axolotl's ``adapter`` and ``load_in_4bit``
+AXOLOTL_ADAPTERS: dict[str, tuple[str | None, bool]] = {
+    "none": (None, False),
+    "lora": ("lora", False),
+    "qlora": ("qlora", True),
+}
+
+
+def axolotl_config(
+    config: dict[str, Any], settings: StudySettings, deepspeed_path: str | None = None
+) -> dict[str, Any]:
+    """The training keys of an axolotl YAML config (merge into one that names the model
+    and the data). axolotl checkpoints every layer: selective checkpointing exports as full."""
+    micro, accum = _micro_and_accum(config, settings)
+    precision = config.get("precision", "fp32")
+    attention = config.get("attention", "sdpa")
+    adapter, four_bit = AXOLOTL_ADAPTERS[str(config.get("adapter", "none"))]
+    cfg: dict[str, Any] = {
+        "sequence_len": settings.seq_len,
+        "micro_batch_size": micro,
+        "gradient_accumulation_steps": accum,
+        "gradient_checkpointing": config.get("gradient_checkpointing", "off") != "off",
+        "flash_attention": attention == "flash_attention_2",
+        "sdp_attention": attention == "sdpa",
+        "bf16": precision == "bf16",
+        "fp16": precision == "fp16",
+        "load_in_4bit": four_bit,
+        "optimizer": OPTIMIZERS[config.get("optimizer", "adamw")].hf_name,
+        "learning_rate": settings.lr,
+    }
+    if adapter is not None:
+        cfg["adapter"] = adapter
+    if deepspeed_path is not None:
+        cfg["deepspeed"] = deepspeed_path
+    return cfg
+
+
+def _render_axolotl(config: dict[str, Any], settings: StudySettings, out: Path) -> str:
+    ds_path = _side_deepspeed(config, settings, out)
+    return yaml.safe_dump(axolotl_config(config, settings, ds_path), sort_keys=False)
+
+
+def _flags(args: dict[str, Any]) -> list[str]:
+    """TrainingArguments as the command-line flags HfArgumentParser reads."""
+    out: list[str] = []
+    for key, value in args.items():
+        if isinstance(value, bool):
+            if value:
+                out.append(f"--{key}")
+        elif isinstance(value, dict):
+            out += [f"--{key}", json.dumps(value)]
+        else:
+            out += [f"--{key}", str(value)]
+    return out
+
+
+def launch_command(
+    config: dict[str, Any], settings: StudySettings, out: Path, script: str = "train.py"
+) -> list[str]:
+    """A ready launch of a Hugging Face Trainer script with the winner's settings: through
+    ``deepspeed`` for a ZeRO trial, else ``accelerate launch``; writes the config it names."""
+    ds_path = _side_deepspeed(config, settings, out)
+    train_args = _flags(hf_training_arguments(config, settings, ds_path))
+    if ds_path is not None:
+        return ["deepspeed", "--num_gpus", str(settings.nproc), script, *train_args]
+    acc_file = out.with_name(out.stem + ".accelerate.yaml")
+    acc_file.write_text(yaml.safe_dump(accelerate_config(config, settings), sort_keys=False))
+    return ["accelerate", "launch", "--config_file", str(acc_file), script, *train_args]
+
+
+def _render_command(config: dict[str, Any], settings: StudySettings, out: Path) -> str:
+    command = " ".join(shlex.quote(part) for part in launch_command(config, settings, out))
+    return (
+        "#!/usr/bin/env bash\n"
+        f"# autotune winner for {settings.model} within {settings.budget_label}; "
+        "train.py: your Hugging Face Trainer script (HfArgumentParser reads these flags)\n"
+        f'{command} "$@"\n'
+    )
+
+
 EXPORTERS: dict[str, Exporter] = {
     "deepspeed": Exporter(lambda c, s, _: _json(deepspeed_config(c, s)), ".json"),
     "hf": Exporter(_render_hf, ".json"),
     "accelerate": Exporter(
         lambda c, s, _: yaml.safe_dump(accelerate_config(c, s), sort_keys=False), ".yaml"
     ),
+    "axolotl": Exporter(_render_axolotl, ".yaml"),
+    "command": Exporter(_render_command, ".sh"),
 }
 
 

@@ -7,7 +7,7 @@ recomputed from what the database holds, so ``show`` and ``run`` always agree.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import optuna
@@ -126,3 +126,24 @@ def select(study: optuna.Study) -> Selection:
     if winner is None and measured:
         closest = min(measured, key=lambda r: r.peak_bytes)
     return Selection(rows, winner, pareto_front(rows), closest, settings.budget_bytes)
+
+
+def selection_json(study: optuna.Study) -> dict[str, Any]:
+    """What ``autotune show --json`` prints: every trial, the winner, the Pareto front."""
+    sel = select(study)
+    settings = settings_of(study)
+    rows = []
+    for r in sel.rows:
+        d = asdict(r)
+        d["feasible"] = r.feasible
+        rows.append(d)
+    return {
+        "study": study.study_name,
+        "model": settings.model,
+        "budget_bytes": sel.budget_bytes,
+        "backend": settings.backend,
+        "winner": sel.winner.number if sel.winner else None,
+        "closest": sel.closest.number if sel.closest else None,
+        "pareto": [r.number for r in sel.pareto],
+        "trials": rows,
+    }

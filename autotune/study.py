@@ -202,9 +202,22 @@ class TrialCrashed(Exception):
     """The job crashed or hung: a FAIL, unlike an OOM, which is a measured result."""
 
 
-def find_duplicate(study: optuna.Study, config: dict[str, Any]) -> FrozenTrial | None:
+#: trials that run without the budget, so their peak is the true one even when over it
+UNBOUNDED_ROLES = ("reference", "ladder")
+
+
+def true_peak(attrs: dict[str, Any]) -> bool:
+    """Whether a trial's ``peak_bytes`` is its real peak (not cut short by the budget)."""
+    return attrs.get("status") == "ok" or attrs.get("role") in UNBOUNDED_ROLES
+
+
+def find_duplicate(
+    study: optuna.Study, config: dict[str, Any], need_true_peak: bool = False
+) -> FrozenTrial | None:
     for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
         if t.user_attrs.get("config") == config and "duplicate_of" not in t.user_attrs:
+            if need_true_peak and not true_peak(t.user_attrs):
+                continue
             return t
     return None
 
@@ -239,7 +252,11 @@ class Objective:
             role = ""  # queued twice by processes that started together: one reference is enough
             trial.set_user_attr("role", role)
         is_reference = role == "reference"
-        earlier = None if is_reference else find_duplicate(self.study, config)
+        # the reference and ladder steps run without the budget: their peak is the true one
+        unbounded = role in UNBOUNDED_ROLES
+        earlier = (
+            None if is_reference else find_duplicate(self.study, config, need_true_peak=unbounded)
+        )
         if earlier is not None:
             result = TrialResult.from_dict(
                 {
@@ -252,7 +269,7 @@ class Objective:
         else:
             # The reference must produce a loss curve even if it does not fit: it runs unbounded
             # and is judged against the budget afterwards.
-            budget = None if is_reference else self.settings.budget_bytes
+            budget = None if unbounded else self.settings.budget_bytes
             try:
                 result = self.runner.run(
                     self.settings.spec(config, budget), f"trial-{trial.number}"
@@ -262,12 +279,12 @@ class Objective:
                 trial.set_user_attr("error", "interrupted (Ctrl-C); its job was stopped")
                 raise
             if (
-                is_reference
+                unbounded
                 and result.status == "ok"
                 and result.peak_bytes > self.settings.budget_bytes
             ):
                 result.status = "oom"
-                result.error = "reference ran unbounded; its peak is over the budget"
+                result.error = f"{role} ran unbounded; its peak is over the budget"
         for key in _RESULT_ATTRS:
             trial.set_user_attr(key, getattr(result, key))
         if self.on_result:
@@ -299,8 +316,12 @@ class Objective:
         )
         loss_violation = (check.regression - check.tolerance) if check else 0.0
         # <= 0 is feasible; the sampler reads these from the trial (Optuna's set_constraint)
-        trial.set_constraint("memory", over)
-        trial.set_constraint("loss", min(loss_violation, 1e6))
+        constraints = {"memory": over, "loss": min(loss_violation, 1e6)}
+        for name, value in constraints.items():
+            trial.set_constraint(name, value)
+        # optuna-dashboard (0.21) shows only the old list format of constraints: a copy as a
+        # user attr makes feasibility visible there without counting any constraint twice
+        trial.set_user_attr("constraints", constraints)
         return result.tokens_per_s, result.peak_bytes / MIB
 
 
