@@ -16,6 +16,17 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from autotune.display import describe, ladder_table, print_selection
 from autotune.errors import OneLineGroup, UserError
+from autotune.estimate_cli import (
+    ESTIMATE_TRIALS,
+    banner,
+    confirm_winner,
+    estimate_cmd,
+    estimate_space,
+    hardware_for,
+    runner_for,
+    target_gpu,
+)
+from autotune.estimator.gpus import gpu_spec
 from autotune.export import EXPORTERS, export
 from autotune.hardware import Hardware
 from autotune.ladder import ladder_cells, run_ladder
@@ -76,9 +87,13 @@ def _optimize(
     worker: bool = False,
 ) -> None:
     settings = settings_of(study)
-    runner = SubprocessRunner(workdir_for(study.study_name), timeout_s=trial_timeout)
+    runner = runner_for(
+        settings, SubprocessRunner(workdir_for(study.study_name), timeout_s=trial_timeout)
+    )
     objective = Objective(study, space, runner)
-    if not worker:  # workers draw trials; queueing the reference is the job of run/resume
+    # workers draw trials; queueing the reference is the job of run/resume. Predictions have
+    # no loss curve, so an estimate study has no reference and no loss guard.
+    if not worker and settings.backend != "estimate":
         ensure_reference(study, space)
     study.sampler = make_sampler(study, settings.seed, salt=os.getpid() if worker else 0)
     with Progress(
@@ -115,14 +130,24 @@ def _optimize(
 
 def _report(study: optuna.Study, storage_url: str) -> None:
     sel = select(study)
-    print_selection(console, sel, title=f"study {study.study_name}")
+    settings = settings_of(study)
+    title = f"study {study.study_name}"
+    if settings.backend == "estimate":
+        title += f": predicted for {gpu_spec(settings.target_gpu).name}, not measured"
+    print_selection(console, sel, title=title)
     console.print(f"stored in {mask_url(storage_url)} as study '{study.study_name}'")
 
 
 @main.command()
 @click.option("--model", required=True, help="Registered model name or a path to a config.json.")
 @click.option("--budget", required=True, help="Memory budget per device, e.g. 24GB, 24GiB, 300MB.")
-@click.option("--trials", "n_trials", type=click.IntRange(min=1), default=12, show_default=True)
+@click.option(
+    "--trials",
+    "n_trials",
+    type=click.IntRange(min=1),
+    default=None,
+    help=f"Default 12 (--backend estimate: {ESTIMATE_TRIALS}).",
+)
 @storage_option
 @click.option("--study-name", default=None, help="Default: <model>-<budget>-<backend>.")
 @click.option(
@@ -133,8 +158,14 @@ def _report(study: optuna.Study, storage_url: str) -> None:
     help="Search space YAML (default: the packaged search_spaces/default.yaml).",
 )
 @click.option(
-    "--backend", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True
+    "--backend",
+    type=click.Choice(["auto", "cpu", "cuda", "estimate"]),
+    default="auto",
+    show_default=True,
+    help="estimate: predictions for --gpu, chosen by auto without a GPU for models too big "
+    "for CPU trials.",
 )
+@click.option("--gpu", default=None, help="Target GPU of --backend estimate (default: by budget).")
 @click.option(
     "--loss-tolerance",
     type=click.FloatRange(min=0.0),
@@ -166,11 +197,12 @@ def _report(study: optuna.Study, storage_url: str) -> None:
 def run(
     model: str,
     budget: str,
-    n_trials: int,
+    n_trials: int | None,
     storage: str,
     study_name: str | None,
     space_path: str | None,
     backend: str,
+    gpu: str | None,
     loss_tolerance: float,
     trial_timeout: float,
     timeout: float | None,
@@ -179,18 +211,31 @@ def run(
     seed: int,
     ladder: bool,
 ) -> None:
-    """Run (or continue) a study of real training trials."""
+    """Run (or continue) a study of real training trials (or of predictions, without a GPU)."""
     budget_bytes = parse_size(budget)
     entry = resolve_model(model)
     space = SearchSpace.load(space_path)
-    hardware = Hardware.detect(None if backend == "auto" else backend)
+    hardware = Hardware.detect(None if backend in ("auto", "estimate") else backend)
     if hardware.backend == "cuda" and not _cuda_available():
         raise UserError("--backend cuda: no CUDA GPU is visible to torch here")
-    if hardware.backend == "cpu" and entry.n_params > MAX_CPU_TRIAL_PARAMS:
+    gpu_target = None
+    if backend == "estimate" or (
+        backend == "auto" and hardware.backend == "cpu" and entry.n_params > MAX_CPU_TRIAL_PARAMS
+    ):
+        gpu_target = target_gpu(gpu, budget_bytes)
+        if backend == "auto":
+            console.print(f"[bold yellow]{banner(entry.name, entry.n_params, gpu_target)}[/]")
+        if space_path is None:
+            space = estimate_space()
+        hardware = hardware_for(gpu_target)
+        n_trials = n_trials or ESTIMATE_TRIALS
+    elif hardware.backend == "cpu" and entry.n_params > MAX_CPU_TRIAL_PARAMS:
         raise UserError(
             f"{entry.name} has {entry.n_params / 1e9:.1f}B parameters: too big for real CPU "
-            "trials on this machine; use a GPU (--backend cuda) or a small model"
+            "trials on this machine; use a GPU (--backend cuda), --backend estimate, or a "
+            "small model"
         )
+    n_trials = n_trials or 12
     gbs = global_batch_size or entry.global_batch_size
     resolved = space.resolve(gbs, hardware)
     settings = StudySettings(
@@ -198,7 +243,8 @@ def run(
         model_config=entry.config,
         budget_bytes=budget_bytes,
         budget_label=budget_label(budget),
-        backend=hardware.backend,
+        backend="estimate" if gpu_target else hardware.backend,
+        target_gpu=gpu_target.key if gpu_target else "",
         seq_len=seq_len or entry.seq_len,
         global_batch_size=gbs,
         space=resolved.as_dict(),
@@ -207,11 +253,12 @@ def run(
     )
     name = study_name or settings.default_study_name()
     study = create_or_load(open_storage(storage), name, settings)
+    where = f"on {gpu_target.name}" if gpu_target else "here"
     for line in resolved.dropped:
-        console.print(f"[dim]unavailable here: {line}[/dim]")
+        console.print(f"[dim]unavailable {where}: {line}[/dim]")
     console.print(
         f"study '{name}': {entry.name} ({entry.n_params / 1e6:,.1f}M params), budget "
-        f"{format_size(budget_bytes)}, backend {hardware.backend}, "
+        f"{format_size(budget_bytes)}, backend {settings.backend}, "
         f"{len(study.trials)} trials so far, running {n_trials} more"
     )
     _optimize(
@@ -223,6 +270,8 @@ def run(
         storage,
     )
     _report(study, storage)
+    if gpu_target is not None:
+        confirm_winner(study, settings_of(study), console)
     if ladder:
         _climb(study, trial_timeout, storage)
 
@@ -400,6 +449,9 @@ def export_cmd(study_name: str | None, storage: str, fmt: str, out: Path) -> Non
         )
     path = export(fmt, sel.winner.config, settings_of(study), out)
     console.print(f"wrote {fmt} config of trial {sel.winner.number} to {path}")
+
+
+main.add_command(estimate_cmd)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ SHORT: dict[str, Callable[[Any], str]] = {
     "zero_stage": lambda v: f"zero{v}" if v else "",
     "offload_optimizer": lambda v: "" if v == "none" else "off-opt",
     "offload_param": lambda v: "" if v == "none" else "off-param",
+    "quantization": lambda v: "" if v == "none" else f"{v}+lora",
 }
 
 

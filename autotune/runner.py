@@ -15,6 +15,7 @@ import sys
 import time
 from abc import ABC, abstractmethod
 from pathlib import Path
+from typing import Any
 
 from trials.lifeline import CONTROLLER_ENV
 from trials.spec import TrialResult, TrialSpec
@@ -29,6 +30,10 @@ class TrialRunner(ABC):
 
     @abstractmethod
     def run(self, spec: TrialSpec, name: str) -> TrialResult: ...
+
+    def attrs_for(self, result: TrialResult) -> dict[str, Any]:
+        """Extra user attrs for the trial (e.g. ``predicted`` for estimator-backed runners)."""
+        return {}
 
 
 def _tail(path: Path, lines: int = STDERR_TAIL_LINES) -> str:

@@ -50,6 +50,7 @@ class StudySettings:
     seed: int = 0
     lr: float = 3e-3
     nproc: int = 1
+    target_gpu: str = ""  # backend "estimate": the GPU the predictions are for (gpus.GPUS key)
     #: keys that must match to add trials to an existing study
     identity: tuple[str, ...] = field(
         default=("model", "budget_bytes", "backend", "seq_len", "global_batch_size", "space"),
@@ -287,6 +288,8 @@ class Objective:
                 result.error = f"{role} ran unbounded; its peak is over the budget"
         for key in _RESULT_ATTRS:
             trial.set_user_attr(key, getattr(result, key))
+        for key, value in self.runner.attrs_for(result).items():
+            trial.set_user_attr(key, value)
         if self.on_result:
             self.on_result(trial, result)
         if result.status == "failed":
