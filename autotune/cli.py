@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import sys
+import threading
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -117,7 +121,10 @@ def _optimize(
 
         objective.on_result = on_result
         try:
-            study.optimize(objective, n_trials=n_trials, timeout=timeout, catch=(TrialCrashed,))
+            with _terminate_as_interrupt():
+                study.optimize(
+                    objective, n_trials=n_trials, timeout=timeout, catch=(TrialCrashed,)
+                )
         except KeyboardInterrupt:
             progress.stop()
             err_console.print(
@@ -126,6 +133,23 @@ def _optimize(
                 f"--storage '{mask_url(storage_url)}'"
             )
             sys.exit(130)
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM (``kill``, a scheduler's stop) ends trials as cleanly as Ctrl-C does."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _report(study: optuna.Study, storage_url: str) -> None:

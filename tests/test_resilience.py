@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import optuna
+import pytest
 from optuna.trial import TrialState
 
 from autotune.runner import SubprocessRunner
@@ -146,7 +147,10 @@ def test_kill_9_mid_trial_then_resume_retries_once_and_loses_nothing(tmp_path: P
     assert "(retry of #1)" in shown.output
 
 
-def test_ctrl_c_stops_the_job_marks_the_trial_and_says_how_to_resume(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_ctrl_c_stops_the_job_marks_the_trial_and_says_how_to_resume(
+    sig: signal.Signals, tmp_path: Path
+) -> None:
     storage = f"sqlite:///{tmp_path / 'study.db'}"
     proc = _autotune(*_run_args(2, storage), cwd=tmp_path)
     try:
@@ -154,7 +158,7 @@ def test_ctrl_c_stops_the_job_marks_the_trial_and_says_how_to_resume(tmp_path: P
         job = _running_job(tmp_path, 0)
         assert job is not None
         time.sleep(1.0)
-        proc.send_signal(signal.SIGINT)  # what a terminal's Ctrl-C sends to the controller
+        proc.send_signal(sig)  # SIGINT: what a terminal's Ctrl-C sends to the controller
         out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
