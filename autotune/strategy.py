@@ -101,37 +101,28 @@ def observations(study: optuna.Study) -> list[Observation]:
 
 
 class _Ridge:
-    """log-residual model on one-hot (dimension, value) features, shrunk towards zero."""
+    """log-residual model on one-hot (dimension, value) features, shrunk towards zero.
 
-    def __init__(self, features: list[tuple[str, str]], alpha: float = 1.0) -> None:
-        self.index = {f: i for i, f in enumerate(features)}
+    The last column of the design matrix is a shared bias: a global scale error of the
+    estimator (e.g. its GPU runs faster than the roofline's efficiency), cheap to learn."""
+
+    def __init__(self, n_features: int, alpha: float = 1.0) -> None:
         self.alpha = alpha
-        self.w = np.zeros(len(features) + 1)
+        self.w = np.zeros(n_features)
 
-    def _x(self, config: Config) -> np.ndarray:
-        x = np.zeros(len(self.index) + 1)
-        x[-1] = 1.0  # shared bias: a global scale error of the estimator
-        for k, v in config.items():
-            i = self.index.get((k, repr(v)))
-            if i is not None:
-                x[i] = 1.0
-        return x
-
-    def fit(self, configs: Sequence[Config], residuals: Sequence[float]) -> None:
-        if not configs:
+    def fit(self, x: np.ndarray, y: Sequence[float]) -> None:
+        if len(y) == 0:
             return
-        x = np.stack([self._x(c) for c in configs])
-        y = np.asarray(residuals)
         penalty = self.alpha * np.eye(x.shape[1])
-        penalty[-1, -1] = 1e-3  # the bias is cheap to learn from few points
-        self.w = np.linalg.solve(x.T @ x + penalty, x.T @ y)
-
-    def __call__(self, config: Config) -> float:
-        return float(self._x(config) @ self.w)
+        penalty[-1, -1] = 1e-3
+        self.w = np.linalg.solve(x.T @ x + penalty, x.T @ np.asarray(y))
 
 
 class AutotuneSampler(BaseSampler):
-    """Plans each trial's configuration from predictions corrected by measurements."""
+    """Plans each trial's configuration from predictions corrected by measurements.
+
+    Candidates are held as arrays (one-hot features, per-dimension codes, prior predictions) so
+    planning over a grid of ~10^5 configurations takes milliseconds."""
 
     def __init__(
         self,
@@ -144,77 +135,106 @@ class AutotuneSampler(BaseSampler):
     ) -> None:
         self.candidates = [dict(c) for c in candidates]
         self.budget = float(budget_bytes)
-        self.prior = [predict(c) for c in self.candidates]
-        features = sorted({(k, repr(v)) for c in self.candidates for k, v in c.items()})
         self.ridge_alpha = ridge_alpha
-        self._features = features
+        self._index = {_key(c): i for i, c in enumerate(self.candidates)}
+        prior = np.array([predict(c) for c in self.candidates], dtype=float).reshape(-1, 2)
+        self._log_peak = np.log(np.maximum(prior[:, 0], 1.0))
+        self._log_speed = np.log(np.maximum(prior[:, 1], 1e-12))
+        features = sorted({(k, repr(v)) for c in self.candidates for k, v in c.items()})
+        self._feature = {f: j for j, f in enumerate(features)}
+        self._x = np.zeros((len(self.candidates), len(features) + 1), dtype=np.float32)
+        self._x[:, -1] = 1.0
+        for i, c in enumerate(self.candidates):
+            for k, v in c.items():
+                self._x[i, self._feature[(k, repr(v))]] = 1.0
+        # per-dimension codes for the monotone OOM rule: NaN where the dimension is absent
+        self._dims = sorted({k for c in self.candidates for k in c})
+        values: dict[str, dict[str, int]] = {}
+        codes = np.full((len(self.candidates), len(self._dims)), np.nan)
+        for i, c in enumerate(self.candidates):
+            for j, d in enumerate(self._dims):
+                if d in c:
+                    v = c[d]
+                    codes[i, j] = (
+                        MONOTONE_MEMORY[d](v)
+                        if d in MONOTONE_MEMORY
+                        else values.setdefault(d, {}).setdefault(repr(v), len(values[d]))
+                    )
+        self._codes = codes
+        self._monotone = np.array([d in MONOTONE_MEMORY for d in self._dims])
         self._plans: dict[int, Config] = {}
         self._fallback = RandomSampler(seed=seed)
 
     # --- planning ------------------------------------------------------------------------------
 
+    def _implied_oom(self, i: int) -> np.ndarray:
+        """Candidates that need no less memory than candidate ``i`` (see needs_no_less_memory)."""
+        c, o = self._codes, self._codes[i]
+        absent, o_absent = np.isnan(c), np.isnan(o)
+        same_presence = (absent == o_absent).all(axis=1)
+        equal = (c == o) | (absent & o_absent)
+        at_least = (c >= o) | (absent & o_absent)
+        ok = np.where(self._monotone, at_least, equal)
+        return np.asarray(same_presence & ok.all(axis=1))
+
     def plan(self, history: Sequence[Observation]) -> Config | None:
         """The next configuration to measure, or None when every candidate is known."""
-        tried = {_key(o.config) for o in history}
-        prior = {_key(c): p for c, p in zip(self.candidates, self.prior, strict=True)}
-        peak_model, speed_model = (
-            _Ridge(self._features, self.ridge_alpha),
-            _Ridge(self._features, self.ridge_alpha),
-        )
-        peak_x: list[Config] = []
+        done = np.zeros(len(self.candidates), dtype=bool)
+        peak_rows: list[int] = []
         peak_y: list[float] = []
-        speed_x: list[Config] = []
+        speed_rows: list[int] = []
         speed_y: list[float] = []
-        oom_x: list[Config] = []
+        oom_rows: list[int] = []
         oom_y: list[float] = []
         for o in history:
-            p = prior.get(_key(o.config))
-            if p is None or p[0] <= 0 or p[1] <= 0:
+            i = self._index.get(_key(o.config))
+            if i is None:
                 continue
+            done[i] = True
             if o.status == "ok" and o.peak_bytes > 0:
-                peak_x.append(o.config)
-                peak_y.append(math.log(o.peak_bytes / p[0]))
+                peak_rows.append(i)
+                peak_y.append(math.log(o.peak_bytes) - self._log_peak[i])
                 if o.tokens_per_s > 0:
-                    speed_x.append(o.config)
-                    speed_y.append(math.log(o.tokens_per_s / p[1]))
+                    speed_rows.append(i)
+                    speed_y.append(math.log(o.tokens_per_s) - self._log_speed[i])
             elif o.status == "oom":
                 # a lower bound: the peak was at least the live bytes when it ran out
-                oom_x.append(o.config)
-                oom_y.append(math.log(max(o.peak_bytes, self.budget) / p[0]))
-        speed_model.fit(speed_x, speed_y)
+                oom_rows.append(i)
+                oom_y.append(math.log(max(o.peak_bytes, self.budget)) - self._log_peak[i])
+                done |= self._implied_oom(i)
+
+        speed_model = _Ridge(self._x.shape[1], self.ridge_alpha)
+        speed_model.fit(self._x[speed_rows], speed_y)
         # Fit the peak model so that every observed OOM is predicted over the budget: raise
         # each OOM's target until the fitted model agrees (the ridge shrinks single points).
+        peak_model = _Ridge(self._x.shape[1], self.ridge_alpha)
+        log_budget = math.log(self.budget)
         for _ in range(20):
-            peak_model.fit(peak_x + oom_x, peak_y + oom_y)
+            peak_model.fit(self._x[peak_rows + oom_rows], peak_y + oom_y)
             low = [
-                i
-                for i, c in enumerate(oom_x)
-                if prior[_key(c)][0] * math.exp(peak_model(c)) <= self.budget
+                n
+                for n, i in enumerate(oom_rows)
+                if self._log_peak[i] + self._x[i] @ peak_model.w <= log_budget
             ]
             if not low:
                 break
-            for i in low:
-                oom_y[i] += OOM_STEP
+            for n in low:
+                oom_y[n] += OOM_STEP
 
-        ooms = [o.config for o in history if o.status == "oom"]
-        bad_loss = _always_bad_loss(history)
-        fitting: list[tuple[tuple[int, float], Config]] = []
-        boundary: list[tuple[float, Config]] = []
-        for config, (peak, speed) in zip(self.candidates, self.prior, strict=True):
-            if _key(config) in tried or any(needs_no_less_memory(config, o) for o in ooms):
-                continue
-            corrected_peak = peak * math.exp(peak_model(config))
-            corrected_speed = speed * math.exp(speed_model(config))
-            lossy_penalty = sum((k, repr(v)) in bad_loss for k, v in config.items())
-            if corrected_peak <= self.budget:
-                fitting.append(((-lossy_penalty, corrected_speed), config))
-            else:
-                boundary.append((corrected_peak, config))
-        if fitting:
-            return max(fitting, key=lambda item: item[0])[1]
-        if boundary:
-            return min(boundary, key=lambda item: item[0])[1]
-        return None
+        if done.all():
+            return None
+        log_peak = self._log_peak + self._x @ peak_model.w
+        log_speed = self._log_speed + self._x @ speed_model.w
+        bad = [self._feature[f] for f in _always_bad_loss(history) if f in self._feature]
+        penalty = self._x[:, bad].sum(axis=1) if bad else np.zeros(len(self.candidates))
+        fits = (log_peak <= log_budget) & ~done
+        if fits.any():
+            # fewest loss-breaking choices first, then the fastest
+            order = np.lexsort((-log_speed, penalty))
+            best = order[fits[order]][0]
+        else:
+            best = int(np.argmin(np.where(done, np.inf, log_peak)))
+        return self.candidates[int(best)]
 
     # --- the Optuna sampler interface ------------------------------------------------------------
 

@@ -10,7 +10,20 @@ from autotune.hardware import Hardware
 from autotune.space import SearchSpace
 from autotune.strategy import AutotuneSampler, Observation, needs_no_less_memory
 
-SPACE = SearchSpace.load().resolve(16, Hardware(backend="cpu"))
+SPACE = SearchSpace.from_dict(
+    {
+        "dimensions": {
+            "gradient_checkpointing": {"choices": ["off", "full", "selective"]},
+            "checkpoint_every": {"choices": [2], "when": {"gradient_checkpointing": "selective"}},
+            "precision": {"choices": ["fp32", "bf16", "fp16"]},
+            "attention": {"choices": ["sdpa", "eager"]},
+            "optimizer": {"choices": ["adamw", "adafactor", "lion"]},
+            "micro_batch_size": {"choices": [1, 2, 4, 8, 16]},
+        },
+        "rules": [{"forbid": {"attention": "eager", "micro_batch_size": [16]}}],
+        "reference": {"gradient_checkpointing": "full", "micro_batch_size": 1},
+    }
+).resolve(16, Hardware(backend="cpu"))
 GRID = SPACE.grid()
 BUDGET = 300e6
 
@@ -49,6 +62,13 @@ def test_monotone_oom_rule() -> None:
     assert not needs_no_less_memory({**oom, "gradient_checkpointing": "full"}, oom)
     assert not needs_no_less_memory({**oom, "micro_batch_size": 2}, oom)
     assert not needs_no_less_memory({**oom, "precision": "fp32"}, oom)  # not a monotone dim
+
+
+def test_vectorised_rule_matches_the_plain_one() -> None:
+    sampler = AutotuneSampler(GRID, prior, BUDGET)
+    for i in range(0, len(GRID), 17):
+        mask = sampler._implied_oom(i)
+        assert [bool(m) for m in mask] == [needs_no_less_memory(c, GRID[i]) for c in GRID]
 
 
 def test_never_proposes_what_an_oom_implies() -> None:
