@@ -32,13 +32,13 @@ import optuna
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from autotune.estimator.analytical import AnalyticalEstimator  # noqa: E402
-from autotune.estimator.gpus import GpuSpec, gpu_spec  # noqa: E402
-from autotune.hardware import Hardware  # noqa: E402
-from autotune.models import REGISTRY  # noqa: E402
-from autotune.space import SearchSpace  # noqa: E402
-from autotune.strategy import AutotuneSampler, Observation  # noqa: E402
-from autotune.units import parse_size  # noqa: E402
+from autotune.estimator.analytical import AnalyticalEstimator
+from autotune.estimator.gpus import GpuSpec, gpu_spec
+from autotune.hardware import Hardware
+from autotune.models import REGISTRY
+from autotune.space import SearchSpace
+from autotune.strategy import AutotuneSampler, Observation
+from autotune.units import parse_size
 
 Config = dict[str, Any]
 WITHIN = 0.02
