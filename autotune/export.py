@@ -140,11 +140,12 @@ def _side_deepspeed(config: dict[str, Any], settings: StudySettings, out: Path) 
     return str(ds_file)
 
 
-#: config ``adapter`` value -> axolotl's ``adapter`` and ``load_in_4bit``
-AXOLOTL_ADAPTERS: dict[str, tuple[str | None, bool]] = {
-    "none": (None, False),
-    "lora": ("lora", False),
-    "qlora": ("qlora", True),
+AXOLOTL_LORA = {"lora_r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "lora_target_linear": True}
+#: ``quantization`` choice -> axolotl's ``adapter`` and its quantized-base-weight keys
+AXOLOTL_QUANTIZATION: dict[str, tuple[str | None, dict[str, bool]]] = {
+    "none": (None, {"load_in_4bit": False}),
+    "int8": ("lora", {"load_in_8bit": True, "load_in_4bit": False}),
+    "nf4": ("qlora", {"load_in_4bit": True}),
 }
 
 
@@ -156,7 +157,7 @@ def axolotl_config(
     micro, accum = _micro_and_accum(config, settings)
     precision = config.get("precision", "fp32")
     attention = config.get("attention", "sdpa")
-    adapter, four_bit = AXOLOTL_ADAPTERS[str(config.get("adapter", "none"))]
+    adapter, quantized = AXOLOTL_QUANTIZATION[str(config.get("quantization", "none"))]
     cfg: dict[str, Any] = {
         "sequence_len": settings.seq_len,
         "micro_batch_size": micro,
@@ -166,12 +167,12 @@ def axolotl_config(
         "sdp_attention": attention == "sdpa",
         "bf16": precision == "bf16",
         "fp16": precision == "fp16",
-        "load_in_4bit": four_bit,
+        **quantized,
         "optimizer": OPTIMIZERS[config.get("optimizer", "adamw")].hf_name,
         "learning_rate": settings.lr,
     }
-    if adapter is not None:
-        cfg["adapter"] = adapter
+    if adapter is not None:  # the trial's LoRA recipe (trials/quantization.py)
+        cfg |= {"adapter": adapter, **AXOLOTL_LORA}
     if deepspeed_path is not None:
         cfg["deepspeed"] = deepspeed_path
     return cfg

@@ -161,12 +161,15 @@ def _label(space: SearchSpace, config: dict[str, Any], dim: str) -> str:
     return text or f"{dim}={config.get(dim)}"
 
 
-def build_ladder(study: optuna.Study, space: SearchSpace) -> Ladder:
-    """The ladder to the current winner from what the study holds (nothing is run here)."""
+def build_ladder(
+    study: optuna.Study, space: SearchSpace, target: dict[str, Any] | None = None
+) -> Ladder:
+    """The ladder to ``target`` (default: the current winner) from what the study holds
+    (nothing is run here)."""
     settings = settings_of(study)
     budget = settings.budget_bytes
     rows = rows_of(study)
-    winner = select(study).winner
+    winner = select(study).winner if target is None else None
     baseline = baseline_config(space, settings.global_batch_size)
     lookup = make_lookup(rows)
     ref = reference_losses(study)
@@ -187,10 +190,12 @@ def build_ladder(study: optuna.Study, space: SearchSpace) -> Ladder:
     # the next round measures the baseline (if needed) and the first undecided rung's candidates
     missing: list[dict[str, Any]] = [] if first is not None else [baseline]
     decided_up_to_here = True
-    if winner is None:
+    if target is None and winner is None:
         return Ladder(baseline, None, steps, budget, missing)
-
-    target = winner.config
+    if target is None:
+        assert winner is not None
+        target = winner.config
+    top = lookup(target) if winner is None else winner
     remaining = [d for d in _technique_dims(space) if target.get(d) != baseline.get(d)]
     applied: list[str] = []
     alone: dict[str, Row | None] = {}
@@ -233,7 +238,9 @@ def build_ladder(study: optuna.Study, space: SearchSpace) -> Ladder:
             )
         )
         current = row
-    return Ladder(baseline, winner, steps, budget, missing)
+    if steps[-1].row is None and steps[-1].config not in missing and decided_up_to_here:
+        missing.append(steps[-1].config)  # the target itself has not run yet
+    return Ladder(baseline, top, steps, budget, missing)
 
 
 def run_ladder(
@@ -241,26 +248,28 @@ def run_ladder(
     space: SearchSpace,
     optimize: Callable[[int], None],
     max_rounds: int = MAX_ROUNDS,
+    target: dict[str, Any] | None = None,
 ) -> Ladder:
     """Measure the rungs the ladder still lacks, one rung's candidates at a time.
 
     ``optimize(n)`` runs the next ``n`` trials of the study (the enqueued ladder configs).
     The winner may change when a rung is faster than it and fits: the ladder then climbs
-    to the new winner, so this repeats until nothing is missing.
+    to the new winner, so this repeats until nothing is missing. With ``target`` (a config of
+    the space) it climbs to that configuration instead.
     """
-    if select(study).winner is None:
+    if target is None and select(study).winner is None:
         raise UserError(
             f"study '{study.study_name}' has no trial that fits the budget yet: "
             "no winner to climb to (run more trials first)"
         )
     for _ in range(max_rounds):
-        ladder = build_ladder(study, space)
+        ladder = build_ladder(study, space, target)
         if ladder.complete:
             return ladder
         for config in ladder.missing:
             study.enqueue_trial(space.params_for(config), user_attrs={"role": "ladder"})
         optimize(len(ladder.missing))
-    return build_ladder(study, space)
+    return build_ladder(study, space, target)
 
 
 def ladder_cells(ladder: Ladder) -> list[dict[str, str]]:

@@ -148,3 +148,14 @@ def test_command_line_parses_with_the_launchers(name: str, tmp_path: Path) -> No
     assert args.gradient_checkpointing == (config["gradient_checkpointing"] != "off")
     assert args.fp16 == (config["precision"] == "fp16")
     assert (args.deepspeed is not None) == ("zero_stage" in config)
+
+
+@pytest.mark.parametrize(("quantization", "adapter"), [("int8", "lora"), ("nf4", "qlora")])
+def test_axolotl_adapters_follow_quantization(
+    quantization: str, adapter: str, tmp_path: Path
+) -> None:
+    config = {**PLAIN, "quantization": quantization}
+    frag = yaml.safe_load(export("axolotl", config, SETTINGS, tmp_path / "a.yaml").read_text())
+    assert frag["adapter"] == adapter and frag["lora_target_linear"] is True
+    assert frag["load_in_4bit"] is (quantization == "nf4")
+    assert frag.get("load_in_8bit", False) is (quantization == "int8")

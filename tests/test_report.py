@@ -15,10 +15,11 @@ import optuna
 import pytest
 from matplotlib import image
 
-from autotune.ladder import baseline_config, build_ladder, compose, ladder_cells
+from autotune.ladder import baseline_config, build_ladder, compose, ladder_cells, run_ladder
+from autotune.runner import SubprocessRunner
 from autotune.selector import select
 from autotune.space import SearchSpace
-from autotune.study import settings_of
+from autotune.study import Objective, TrialCrashed, settings_of
 from tests.conftest import DATA, SMALL_ARGS, cli
 
 BUDGET = "150MB"  # the plain baseline (~175 MiB) does not fit; checkpointing (~136 MiB) does
@@ -206,3 +207,36 @@ def test_rungs_follow_the_space_rules() -> None:
         "attention": "eager",
         "micro_batch_size": 2,
     }
+
+
+def test_ladder_to_a_chosen_config_takes_the_biggest_saving_first(
+    study_dir: Path, monkeypatch: Any
+) -> None:
+    """Climb to checkpointing + bf16 (at most one more real trial: bf16 alone). Over the budget
+    the greedy rule takes the biggest measured saving first, and the table shows how bf16's
+    saving on the baseline alone differs from its saving once checkpointing is in."""
+    monkeypatch.chdir(study_dir)
+    study = _study(study_dir)
+    space = SearchSpace.from_dict(settings_of(study).space, "study")
+    objective = Objective(study, space, SubprocessRunner(study_dir / "extra"))
+
+    def optimize(n: int) -> None:
+        study.optimize(objective, n_trials=n, catch=(TrialCrashed,))
+
+    target = {**baseline_config(space, 8), "gradient_checkpointing": "full", "precision": "bf16"}
+    ladder = run_ladder(study, space, optimize, target=target)
+    assert ladder.complete
+    assert [s.techniques for s in ladder.steps] == [
+        (),
+        ("gradient_checkpointing",),
+        ("gradient_checkpointing", "precision"),
+    ]
+    base, ckpt, both = (s.row for s in ladder.steps)
+    assert base is not None and ckpt is not None and both is not None
+    assert both.config == target
+    bf16_alone = ladder.steps[2].alone_saving
+    assert bf16_alone is not None
+    # checkpointing was taken first because it saves more on the baseline than bf16 does
+    assert base.peak_bytes - ckpt.peak_bytes > bf16_alone
+    # the interaction: bf16's saving on top of checkpointing is not its saving alone
+    assert ckpt.peak_bytes - both.peak_bytes != bf16_alone
