@@ -218,6 +218,18 @@ def _report(study: optuna.Study, storage_url: str) -> None:
     is_flag=True,
     help="Then measure the ablation ladder from the plain baseline to the winner.",
 )
+@click.option(
+    "--nproc",
+    type=click.IntRange(min=1),
+    default=None,
+    help="CPU: run each trial as N processes (torchrun, gloo); the budget is per process.",
+)
+@click.option(
+    "--gpus",
+    type=click.IntRange(min=1),
+    default=None,
+    help="CUDA: run each trial on N GPUs (torchrun, nccl); the budget is per GPU.",
+)
 def run(
     model: str,
     budget: str,
@@ -234,6 +246,8 @@ def run(
     global_batch_size: int | None,
     seed: int,
     ladder: bool,
+    nproc: int | None,
+    gpus: int | None,
 ) -> None:
     """Run (or continue) a study of real training trials (or of predictions, without a GPU)."""
     budget_bytes = parse_size(budget)
@@ -260,6 +274,7 @@ def run(
             "small model"
         )
     n_trials = n_trials or 12
+    ranks = _ranks(nproc, gpus, hardware) if gpu_target is None else 1
     gbs = global_batch_size or entry.global_batch_size
     resolved = space.resolve(gbs, hardware)
     settings = StudySettings(
@@ -274,6 +289,7 @@ def run(
         space=resolved.as_dict(),
         loss_tolerance=loss_tolerance,
         seed=seed,
+        nproc=ranks,
     )
     name = study_name or settings.default_study_name()
     study = create_or_load(open_storage(storage), name, settings)

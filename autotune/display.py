@@ -25,7 +25,20 @@ SHORT: dict[str, Callable[[Any], str]] = {
     "offload_optimizer": lambda v: "" if v == "none" else "off-opt",
     "offload_param": lambda v: "" if v == "none" else "off-param",
     "quantization": lambda v: "" if v == "none" else f"{v}+lora",
+    "reduce_bucket_size": lambda v: f"rb={v:.0e}",
+    "allgather_bucket_size": lambda v: f"ag={v:.0e}",
+    "overlap_comm": lambda v: "overlap" if v else "",
+    "contiguous_gradients": lambda v: "" if v else "noncontig",
 }
+
+
+def _peak_cell(row: Row) -> str:
+    if not row.peak_bytes:
+        return "-"
+    if row.rank_peaks and len(row.rank_peaks) > 1:  # per rank: the worst, then each rank's
+        each = "/".join(f"{p / 2**20:.0f}" for p in row.rank_peaks)
+        return f"{format_size(row.peak_bytes)} ({each} MiB)"
+    return format_size(row.peak_bytes)
 
 
 def describe(config: dict[str, Any]) -> str:
@@ -64,7 +77,7 @@ def results_table(sel: Selection, title: str = "trials") -> Table:
             f"{r.number}{mark}",
             describe(r.config),
             status,
-            format_size(r.peak_bytes) if r.peak_bytes else "-",
+            _peak_cell(r),
             f"{r.tokens_per_s:,.0f}" if r.status == "ok" else "-",
             _loss_cell(r),
         )

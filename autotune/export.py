@@ -16,6 +16,7 @@ import yaml
 
 from autotune.errors import UserError
 from autotune.study import StudySettings
+from trials import zero
 from trials.techniques import OPTIMIZERS
 
 
@@ -26,38 +27,17 @@ def _micro_and_accum(config: dict[str, Any], settings: StudySettings) -> tuple[i
 
 
 def deepspeed_config(config: dict[str, Any], settings: StudySettings) -> dict[str, Any]:
-    """A DeepSpeed JSON config (the ``zero_optimization`` section appears with ZeRO trials)."""
+    """The DeepSpeed JSON the trial ran with: the trial job builds it with the same function."""
     micro, accum = _micro_and_accum(config, settings)
-    precision = config.get("precision", "fp32")
-    ds: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": micro,
-        "gradient_accumulation_steps": accum,
-        "train_batch_size": micro * accum * settings.nproc,
-        "gradient_clipping": 1.0,
-        "bf16": {"enabled": precision == "bf16"},
-        "fp16": {
-            "enabled": precision == "fp16",
-            "loss_scale": 0,  # 0 = dynamic loss scaling
-            "initial_scale_power": 16,
-            "loss_scale_window": 1000,
-            "hysteresis": 2,
-            "min_loss_scale": 1,
-        },
-        "zero_optimization": {"stage": int(config.get("zero_stage", 0))},
-        "activation_checkpointing": {
-            "partition_activations": False,
-            "contiguous_memory_optimization": False,
-        },
-        "wall_clock_breakdown": False,
-    }
-    optimizer = config.get("optimizer", "adamw")
-    ds_optimizers = {"adamw": "AdamW", "lion": "Lion"}
-    if optimizer in ds_optimizers:
-        ds["optimizer"] = {
-            "type": ds_optimizers[optimizer],
-            "params": {"lr": settings.lr, "weight_decay": 0.0},
-        }
-    return ds
+    return zero.deepspeed_config(
+        config,
+        micro,
+        accum,
+        str(config.get("precision", "fp32")),
+        settings.nproc,
+        settings.lr,
+        "cpu" if settings.backend == "cpu" else "cuda",
+    )
 
 
 def hf_training_arguments(

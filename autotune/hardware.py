@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable
+import shutil
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 
@@ -15,6 +16,9 @@ class Hardware:
     has_flash_attn: bool = False
     has_bitsandbytes: bool = False
     has_peft: bool = False
+    has_deepspeed: bool = True  # a dependency of the project; detect() still checks
+    has_cxx: bool = True  # a C++ compiler builds DeepSpeedCPUAdam (once; cached)
+    cpu_fp16: bool = False  # oneDNN fp16 kernels: DeepSpeed refuses fp16 on a CPU without them
 
     @classmethod
     def detect(cls, backend: str | None = None) -> Hardware:
@@ -28,11 +32,23 @@ class Hardware:
             has_flash_attn=importlib.util.find_spec("flash_attn") is not None,
             has_bitsandbytes=importlib.util.find_spec("bitsandbytes") is not None,
             has_peft=importlib.util.find_spec("peft") is not None,
+            has_deepspeed=importlib.util.find_spec("deepspeed") is not None,
+            has_cxx=any(shutil.which(c) for c in ("c++", "g++", "clang++")),
+            cpu_fp16=_cpu_fp16(),
         )
 
     @property
     def ampere_or_newer(self) -> bool:
         return self.cuda_capability is not None and self.cuda_capability >= (8, 0)
+
+
+def _cpu_fp16() -> bool:
+    import torch
+
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def _needs_cuda(hw: Hardware) -> str | None:
@@ -70,6 +86,21 @@ def _quantized(hw: Hardware) -> str | None:
     return reason
 
 
+def _cpu_adam(hw: Hardware) -> str | None:
+    """ZeRO-Offload runs DeepSpeedCPUAdam, a C++ extension built on first use."""
+    if not hw.has_deepspeed:
+        return "deepspeed is not installed"
+    if not hw.has_cxx:
+        return "DeepSpeedCPUAdam needs a C++ compiler to build (apt-get install g++)"
+    return None
+
+
+def _deepspeed_fp16(hw: Hardware) -> str | None:
+    if hw.backend == "cpu" and not hw.cpu_fp16:
+        return "DeepSpeed has no fp16 on this CPU (no oneDNN fp16 kernels)"
+    return None
+
+
 #: (dimension, choice) -> check returning why it can't run here, or None when it can.
 REQUIREMENTS: dict[tuple[str, object], Callable[[Hardware], str | None]] = {
     ("attention", "flash_attention_2"): _flash_attn,
@@ -77,9 +108,23 @@ REQUIREMENTS: dict[tuple[str, object], Callable[[Hardware], str | None]] = {
     ("optimizer", "adamw_8bit"): _bnb,
     ("quantization", "int8"): _quantized,
     ("quantization", "nf4"): _quantized,
+    ("offload_optimizer", "cpu"): _cpu_adam,
+    ("offload_param", "cpu"): _cpu_adam,
+}
+
+#: (dimension, choice) -> (another dimension, check): the check applies when the space has that
+#: dimension too (fp16 is fine in plain torch on any CPU, but every zero_stage runs DeepSpeed).
+REQUIREMENTS_WITH: dict[tuple[str, object], tuple[str, Callable[[Hardware], str | None]]] = {
+    ("precision", "fp16"): ("zero_stage", _deepspeed_fp16),
 }
 
 
-def unavailable_reason(hw: Hardware, dimension: str, choice: object) -> str | None:
+def unavailable_reason(
+    hw: Hardware, dimension: str, choice: object, space_dimensions: Collection[str] = ()
+) -> str | None:
     check = REQUIREMENTS.get((dimension, choice))
-    return check(hw) if check else None
+    reason = check(hw) if check else None
+    other, check_with = REQUIREMENTS_WITH.get((dimension, choice), ("", None))
+    if reason is None and check_with is not None and other in space_dimensions:
+        reason = check_with(hw)
+    return reason

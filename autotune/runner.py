@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from trials.lifeline import CONTROLLER_ENV
-from trials.spec import TrialResult, TrialSpec
+from trials.spec import TrialResult, TrialSpec, rank_result_path
 
 STDERR_TAIL_LINES = 20
 #: the CLI's storage URL variable
@@ -71,12 +71,29 @@ class SubprocessRunner(TrialRunner):
     def command(self, spec_path: Path, result_path: Path) -> list[str]:
         return [self.python, "-m", "trials.job", str(spec_path), str(result_path)]
 
+    def launch_command(self, spec: TrialSpec, spec_path: Path, result_path: Path) -> list[str]:
+        """``command``, through torchrun when the trial has several ranks (one machine, no
+        ssh/pdsh: ``--standalone`` picks a free rendezvous port)."""
+        cmd = self.command(spec_path, result_path)
+        if spec.nproc <= 1:
+            return cmd
+        return [
+            cmd[0],
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={spec.nproc}",
+            *cmd[1:],
+        ]
+
     def run(self, spec: TrialSpec, name: str) -> TrialResult:
         trial_dir = self.workdir / name
         trial_dir.mkdir(parents=True, exist_ok=True)
         spec_path, result_path = trial_dir / "spec.json", trial_dir / "result.json"
         stderr_path = trial_dir / "stderr.log"
-        result_path.unlink(missing_ok=True)
+        rank_paths = [rank_result_path(result_path, r, spec.nproc) for r in range(spec.nproc)]
+        for path in rank_paths:
+            path.unlink(missing_ok=True)
         spec_path.write_text(spec.to_json())
         env = {
             **os.environ,
@@ -88,7 +105,7 @@ class SubprocessRunner(TrialRunner):
         start = time.perf_counter()
         with open(stderr_path, "wb") as err:
             proc = subprocess.Popen(
-                self.command(spec_path, result_path),
+                self.launch_command(spec, spec_path, result_path),
                 stdout=err,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -109,8 +126,8 @@ class SubprocessRunner(TrialRunner):
             except BaseException:  # Ctrl-C or the controller dying: never leave the job behind
                 kill_group(proc)
                 raise
-        if code == 0 and result_path.is_file():
-            result = TrialResult.load(result_path)
+        if code == 0 and all(p.is_file() for p in rank_paths):
+            result = merge_ranks([TrialResult.load(p) for p in rank_paths])
             if result.status == "failed":
                 result.stderr_tail = _tail(stderr_path)
             return result
@@ -120,3 +137,31 @@ class SubprocessRunner(TrialRunner):
             stderr_tail=_tail(stderr_path),
             wall_s=time.perf_counter() - start,
         )
+
+
+def merge_ranks(results: list[TrialResult]) -> TrialResult:
+    """One result from every rank's: the worst rank's peak (the budget is per rank), the sum of
+    tokens/s, the mean loss per step (each rank trained on its share of the batch)."""
+    if len(results) == 1:
+        return results[0]
+    worst = max(results, key=lambda r: r.peak_bytes)
+    for status in ("failed", "oom"):
+        bad = [r for r in results if r.status == status]
+        if bad:
+            return TrialResult(
+                status=status,
+                peak_bytes=worst.peak_bytes,
+                error=bad[0].error,
+                wall_s=max(r.wall_s for r in results),
+                rank_peaks=[r.peak_bytes for r in results],
+            )
+    steps = min(len(r.losses) for r in results)
+    return TrialResult(
+        status="ok",
+        peak_bytes=worst.peak_bytes,
+        tokens_per_s=sum(r.tokens_per_s for r in results),
+        losses=[sum(r.losses[i] for r in results) / len(results) for i in range(steps)],
+        wall_s=max(r.wall_s for r in results),
+        memory_breakdown=worst.memory_breakdown,
+        rank_peaks=[r.peak_bytes for r in results],
+    )

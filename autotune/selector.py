@@ -35,6 +35,7 @@ class Row:
     predicted: bool = False
     stderr_tail: str = ""
     retry_of: int | None = None  # the trial whose controller died, run again as this one
+    rank_peaks: list[int] | None = None  # each rank's peak in a multi-process trial
 
     @property
     def feasible(self) -> bool:
@@ -93,6 +94,7 @@ def rows_of(study: optuna.Study) -> list[Row]:
                 predicted=bool(a.get("predicted", False)),
                 stderr_tail=a.get("stderr_tail") or "",
                 retry_of=(t.system_attrs.get("retry_history") or [None])[-1],
+                rank_peaks=a.get("rank_peaks") or None,
             )
         )
     return rows

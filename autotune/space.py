@@ -33,7 +33,20 @@ KNOWN_DIMENSIONS: dict[str, tuple[Choice, ...] | None] = {
     "attention": tuple(ATTENTION),
     "optimizer": tuple(OPTIMIZERS),
     "micro_batch_size": None,
+    "zero_stage": (0, 1, 2, 3),
+    "offload_optimizer": ("none", "cpu"),
+    "offload_param": ("none", "cpu"),
+    "quantization": ("none", "int8", "nf4"),
+    # ZeRO knobs (trials.zero maps them to DeepSpeed's ``zero_optimization``); bucket sizes in
+    # elements
+    "reduce_bucket_size": None,
+    "allgather_bucket_size": None,
+    "overlap_comm": (True, False),
+    "contiguous_gradients": (True, False),
 }
+
+#: YAML 1.1 reads bare yes/no/on/off as booleans, and 5e6 (no dot) as a string: accept both
+_BOOL_WORDS = {"true": True, "yes": True, "on": True, "false": False, "no": False, "off": False}
 
 _TOP_LEVEL = {"dimensions", "rules", "reference", "name", "description"}
 _DIM_KEYS = {"choices", "when"}
@@ -155,6 +168,7 @@ class SearchSpace:
         """Drop micro-batches that don't divide the global batch and choices the hardware lacks."""
         dropped: list[str] = []
         dims = []
+        present = {d.name for d in self.dimensions}
         for d in self.dimensions:
             keep = []
             for c in d.choices:
@@ -162,7 +176,7 @@ class SearchSpace:
                     not isinstance(c, int) or global_batch_size % c
                 ):
                     continue
-                reason = unavailable_reason(hardware, d.name, c)
+                reason = unavailable_reason(hardware, d.name, c, present)
                 if reason:
                     dropped.append(f"{d.name}={c}: {reason}")
                 else:
@@ -173,7 +187,9 @@ class SearchSpace:
                     f"(global batch {global_batch_size}, {hardware.backend})"
                 )
             dims.append(Dimension(d.name, tuple(keep), d.when))
-        return SearchSpace(dims, self.rules, dict(self.reference), self.source, dropped)
+        return SearchSpace(
+            dims, _rules_within(self.rules, dims), dict(self.reference), self.source, dropped
+        )
 
     # --- sampling -----------------------------------------------------------------------------
 
@@ -259,6 +275,22 @@ class SearchSpace:
         return hashlib.sha256(json.dumps(self.as_dict(), sort_keys=True).encode()).hexdigest()[:12]
 
 
+def _rules_within(rules: list[Rule], dims: list[Dimension]) -> list[Rule]:
+    """The rules restated over the choices left after resolving (a resolved space is stored
+    and reloaded, so it must not name a dropped choice); a rule left with nothing to match or
+    nothing to forbid goes."""
+    kept = {d.name: d.choices for d in dims}
+    out = []
+    for rule in rules:
+        conditions = {
+            k: tuple(v for v in vals if v in kept[k]) for k, vals in rule.conditions.items()
+        }
+        forbidden = tuple(v for v in rule.forbidden if v in kept[rule.target])
+        if forbidden and all(conditions.values()):
+            out.append(Rule(conditions, rule.target, forbidden))
+    return out
+
+
 class _Branch(Exception):
     def __init__(self, dim: str, choices: list[Choice]) -> None:
         self.dim, self.choices = dim, choices
@@ -281,14 +313,32 @@ def _check_value(dim: str, value: Any, where: str, bad: Callable[[str], UserErro
         value = "full" if value else "off"  # YAML 1.1 reads a bare `off` as false
     allowed = KNOWN_DIMENSIONS.get(dim)
     if allowed is None:
+        value = _as_count(value)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise bad(f"{where}: {value!r} is not a positive integer")
         return value
-    if value not in allowed:
+    boolean = all(isinstance(a, bool) for a in allowed)
+    if boolean and isinstance(value, str) and value.lower() in _BOOL_WORDS:
+        value = _BOOL_WORDS[value.lower()]
+    elif value is False and "none" in allowed:
+        value = "none"  # `offload_optimizer: off`
+    if isinstance(value, bool) != boolean or value not in allowed:
         raise bad(
             f"{where}: unknown choice {value!r} for {dim} (allowed: {', '.join(map(str, allowed))})"
         )
     return value  # type: ignore[no-any-return]
+
+
+def _as_count(value: Any) -> Any:
+    """5e6, 5.0e+6 and "5e6" as the integer 5000000 (other values unchanged)."""
+    if isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
 
 
 def _conditions(

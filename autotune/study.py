@@ -53,12 +53,21 @@ class StudySettings:
     target_gpu: str = ""  # backend "estimate": the GPU the predictions are for (gpus.GPUS key)
     #: keys that must match to add trials to an existing study
     identity: tuple[str, ...] = field(
-        default=("model", "budget_bytes", "backend", "seq_len", "global_batch_size", "space"),
+        default=(
+            "model",
+            "budget_bytes",
+            "backend",
+            "seq_len",
+            "global_batch_size",
+            "space",
+            "nproc",
+        ),
         repr=False,
     )
 
     def default_study_name(self) -> str:
-        return f"{self.model}-{self.budget_label}-{self.backend}"
+        ranks = f"-x{self.nproc}" if self.nproc > 1 else ""
+        return f"{self.model}-{self.budget_label}-{self.backend}{ranks}"
 
     def to_attrs(self) -> dict[str, Any]:
         d = asdict(self)
@@ -232,6 +241,7 @@ _RESULT_ATTRS = (
     "wall_s",
     "memory_breakdown",
     "stderr_tail",
+    "rank_peaks",
 )
 
 

@@ -58,8 +58,10 @@ def test_grid_respects_conditions_and_rules() -> None:
     for c in grid:
         assert ("checkpoint_every" in c) == (c["gradient_checkpointing"] == "selective")
         assert not (c["attention"] == "eager" and c["micro_batch_size"] == 16)
-    # 3 checkpointing x 3 precision x 3 optimizer x (5 micro-batches with sdpa + 4 with eager)
-    assert len(grid) == 3 * 3 * 3 * (5 + 4)
+    # 3 checkpointing x 2 precision (no DeepSpeed fp16 on this CPU) x (5 micro-batches with sdpa
+    # + 4 with eager) x ZeRO settings: with adamw 1 + 18 + 72 + 48 (stages 0-3); the two other
+    # optimizers can't offload the optimizer: 1 + 9 + 36 + 24 each
+    assert len(grid) == 3 * 2 * (5 + 4) * ((1 + 18 + 72 + 48) + 2 * (1 + 9 + 36 + 24))
 
 
 def test_optuna_never_samples_forbidden_combinations() -> None:
@@ -85,6 +87,13 @@ def test_params_for_round_trips_through_enqueue() -> None:
         "attention": "eager",
         "optimizer": "lion",
         "micro_batch_size": 4,
+        "quantization": "none",
+        "zero_stage": 3,
+        "offload_optimizer": "none",  # lion: DeepSpeed offloads only its own Adam
+        "offload_param": "cpu",
+        "reduce_bucket_size": 5_000_000,
+        "overlap_comm": True,
+        "contiguous_gradients": False,
     }
     study = optuna.create_study()
     study.enqueue_trial(space.params_for(config))
@@ -100,6 +109,8 @@ def test_reference_is_exact_and_minimal() -> None:
         "attention": "sdpa",
         "optimizer": "adamw",
         "micro_batch_size": 1,
+        "quantization": "none",
+        "zero_stage": 0,
     }
 
 

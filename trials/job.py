@@ -8,11 +8,10 @@ is a result (``oom``), not a crash; any other exception is ``failed`` with its t
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 import traceback
-from contextlib import nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +19,12 @@ import torch
 from torch import nn
 
 from trials.data import batch_for_step
+from trials.engines import ENGINES, engine_for, world
 from trials.lifeline import start_lifeline
 from trials.memory import MemoryMonitor, make_monitor
-from trials.spec import TrialResult, TrialSpec
-from trials.techniques import ATTENTION, CHECKPOINTING, OPTIMIZERS, PRECISIONS
+from trials.quantization import QUANTIZATION
+from trials.spec import TrialResult, TrialSpec, rank_result_path
+from trials.techniques import ATTENTION, CHECKPOINTING
 
 
 def build_model(model_config: dict[str, Any], attention: str, seed: int) -> nn.Module:
@@ -37,56 +38,12 @@ def build_model(model_config: dict[str, Any], attention: str, seed: int) -> nn.M
     return AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION[attention])
 
 
-@dataclass
-class Trainer:
-    """One optimizer step = ``global_batch / micro_batch`` micro-batches, losses averaged."""
-
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
-    spec: TrialSpec
-    device: torch.device
-
-    def __post_init__(self) -> None:
-        cfg = self.spec.config
-        self.micro_batch = int(cfg.get("micro_batch_size", self.spec.global_batch_size))
-        if self.spec.global_batch_size % self.micro_batch:
-            raise ValueError(
-                f"micro_batch_size {self.micro_batch} does not divide "
-                f"global_batch_size {self.spec.global_batch_size}"
-            )
-        self.accum = self.spec.global_batch_size // self.micro_batch
-        precision = PRECISIONS[cfg.get("precision", "fp32")]
-        self.autocast_dtype = precision.autocast_dtype
-        self.scaler = torch.amp.GradScaler(self.device.type) if precision.loss_scaling else None
-        self.vocab = int(self.spec.model_config["vocab_size"])
-
-    def _autocast(self) -> Any:
-        if self.autocast_dtype is None:
-            return nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
-
-    def step(self, step: int) -> float:
-        spec = self.spec
-        tokens = batch_for_step(step, spec.global_batch_size, spec.seq_len, self.vocab, spec.seed)
-        tokens = tokens.to(self.device)
-        total = 0.0
-        for i in range(self.accum):
-            ids = tokens[i * self.micro_batch : (i + 1) * self.micro_batch]
-            with self._autocast():
-                loss = self.model(input_ids=ids, labels=ids).loss / self.accum
-            if self.scaler is not None:
-                self.scaler.scale(loss).backward()
-            else:
-                loss.backward()
-            total += float(loss.detach())
-            del loss
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return total
+def rank_batch(spec: TrialSpec, step: int, rank: int, world: int) -> torch.Tensor:
+    """This rank's share of step ``step``: the same tokens, split across ranks, whatever N."""
+    gbs = spec.global_batch_size
+    vocab = int(spec.model_config["vocab_size"])
+    tokens = batch_for_step(step, gbs * world, spec.seq_len, vocab, spec.seed)
+    return tokens[rank * gbs : (rank + 1) * gbs]
 
 
 def _sync(device: torch.device) -> None:
@@ -94,26 +51,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _breakdown(model: nn.Module, optimizer: torch.optim.Optimizer, peak: int) -> dict[str, int]:
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    states = sum(
-        v.numel() * v.element_size()
-        for s in optimizer.state.values()
-        for v in s.values()
-        if isinstance(v, torch.Tensor)
-    )
-    grads = params  # gradients are freed by zero_grad; at the peak they exist in full precision
-    return {
-        "parameters": params,
-        "gradients": grads,
-        "optimizer_states": states,
-        "activations_and_other": max(0, peak - params - grads - states),
-    }
-
-
-def run_trial(spec: TrialSpec, rank: int = 0) -> TrialResult:
-    device = torch.device("cuda", rank) if spec.backend == "cuda" else torch.device("cpu")
-    monitor: MemoryMonitor = make_monitor(spec.backend, spec.budget_bytes, rank)
+def run_trial(spec: TrialSpec) -> TrialResult:
+    """One rank's trial. ``global_batch_size`` is per rank (the batch each rank trains on), so
+    tokens/s here is this rank's; the runner sums the ranks."""
+    rank, n_ranks = world()
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    device = torch.device("cuda", local) if spec.backend == "cuda" else torch.device("cpu")
+    monitor: MemoryMonitor = make_monitor(spec.backend, spec.budget_bytes, local)
     cfg = spec.config
     losses: list[float] = []
     start = time.perf_counter()
@@ -123,28 +67,28 @@ def run_trial(spec: TrialSpec, rank: int = 0) -> TrialResult:
                 model = build_model(spec.model_config, cfg.get("attention", "sdpa"), spec.seed)
             model.train()
             CHECKPOINTING[cfg.get("gradient_checkpointing", "off")](model, cfg)
-            optimizer = OPTIMIZERS[cfg.get("optimizer", "adamw")].factory(
-                model.parameters(), spec.lr
-            )
-            trainer = Trainer(model, optimizer, spec, device)
+            model = QUANTIZATION[str(cfg.get("quantization", "none"))](model, device)
+            engine = ENGINES[engine_for(cfg)](model, spec, device, monitor)
             for step in range(spec.warmup_steps):
-                losses.append(trainer.step(step))
+                losses.append(engine.step(rank_batch(spec, step, rank, n_ranks).to(device)))
             with monitor.pause():
+                measured = range(spec.warmup_steps, spec.warmup_steps + spec.measured_steps)
+                batches = [rank_batch(spec, s, rank, n_ranks).to(device) for s in measured]
                 _sync(device)
-                t0 = time.perf_counter()
-                for step in range(spec.warmup_steps, spec.warmup_steps + spec.measured_steps):
-                    losses.append(trainer.step(step))
+                t0 = time.perf_counter()  # end to end: all micro-batches and optimizer steps
+                for tokens in batches:
+                    losses.append(engine.step(tokens))
                 _sync(device)
                 elapsed = time.perf_counter() - t0
-        tokens = spec.global_batch_size * spec.seq_len * spec.measured_steps * spec.nproc
+        tokens_done = spec.global_batch_size * spec.seq_len * spec.measured_steps
         peak = monitor.peak_bytes
         return TrialResult(
             status="ok",
             peak_bytes=peak,
-            tokens_per_s=tokens / elapsed if elapsed > 0 else 0.0,
+            tokens_per_s=tokens_done / elapsed if elapsed > 0 else 0.0,
             losses=losses,
             wall_s=time.perf_counter() - start,
-            memory_breakdown=_breakdown(model, optimizer, peak),
+            memory_breakdown=engine.breakdown(peak),
         )
     except torch.OutOfMemoryError as exc:
         return TrialResult(
@@ -168,7 +112,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # a trial's failure is data for the study, not a crash of the job
         traceback.print_exc()
         result = TrialResult(status="failed", error=f"{type(exc).__name__}: {exc}"[:2000])
-    result_path.write_text(result.to_json())
+    rank, n_ranks = world()
+    rank_result_path(result_path, rank, n_ranks).write_text(result.to_json())
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     return 0
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import weakref
 from abc import ABC, abstractmethod
+from array import array
 from types import TracebackType
 from typing import Any
 
@@ -54,6 +55,18 @@ class MemoryMonitor(ABC):
 
         return contextlib.nullcontext()
 
+    def mark_host(self, *tensors: torch.Tensor) -> None:
+        """These tensors live in host memory (offloaded), not on the device: don't count them.
+
+        On CUDA they are CPU tensors the allocator never sees, so there is nothing to do.
+        """
+        return None
+
+    @property
+    def host_peak_bytes(self) -> int:
+        """Offloaded bytes in host memory at most (0 where the monitor does not see them)."""
+        return 0
+
 
 class _LiveStorageCounter(TorchDispatchMode):
     """Counts each distinct storage once, from the op that created it until it is freed."""
@@ -73,13 +86,29 @@ class _LiveStorageCounter(TorchDispatchMode):
 
 
 class CpuMemoryMonitor(MemoryMonitor):
-    """Live tensor bytes on the CPU, counted per storage, with a hard budget."""
+    """Live tensor bytes on the CPU, counted per storage, with a hard budget.
+
+    On this backend the CPU plays the device, so DeepSpeed's "offload to CPU" has to be told
+    apart: tensors passed to ``mark_host`` (the offloaded fp32 master partitions, their gradients
+    and optimizer states; stage 3's offloaded parameter partitions) are host memory. They leave
+    the device count from their creation on: every allocation appends the device's live bytes
+    to a timeline, and marking subtracts the tensor's bytes over the span it was already alive,
+    so ``peak_bytes`` is the device peak as if they had been on the host from the start.
+    ``host_peak_bytes`` is the most host bytes seen live after marking. The online budget check
+    uses the device bytes known at that moment (a tensor not yet marked still counts).
+    """
 
     def __init__(self, budget_bytes: int | None) -> None:
         super().__init__(budget_bytes)
-        self._live = 0
+        self._live = 0  # device bytes (tracked, not marked host)
         self._peak = 0
         self._seen: set[int] = set()
+        self._host: dict[int, int] = {}  # storage key -> bytes, marked as host memory
+        self._host_live = 0
+        self._host_peak = 0
+        self._timeline = array("q")  # device live bytes after each allocation
+        self._born: dict[int, int] = {}  # storage key -> its index in the timeline
+        self._corrections: list[tuple[int, int, int]] = []  # (from, to, bytes) to subtract
         self._mode: _LiveStorageCounter | None = None
         self._paused = False
 
@@ -97,11 +126,38 @@ class CpuMemoryMonitor(MemoryMonitor):
         self._seen.add(key)
         self._live += nbytes
         self._peak = max(self._peak, self._live)
+        self._born[key] = len(self._timeline)
+        self._timeline.append(self._live)
         weakref.finalize(storage, self._release, key, nbytes)
 
     def _release(self, key: int, nbytes: int) -> None:
         self._seen.discard(key)
-        self._live -= nbytes
+        self._born.pop(key, None)
+        if self._host.pop(key, None) is not None:
+            self._host_live -= nbytes
+        else:
+            self._live -= nbytes
+
+    def mark_host(self, *tensors: torch.Tensor) -> None:
+        """Count these tensors' storages as host memory, from their creation on."""
+        for t in tensors:
+            try:
+                storage = t.untyped_storage()
+            except (NotImplementedError, RuntimeError):
+                continue
+            key = id(storage)
+            if key not in self._seen or key in self._host:
+                continue  # not tracked (made while paused or before) or already host
+            nbytes = storage.nbytes()
+            self._host[key] = nbytes
+            self._live -= nbytes
+            self._host_live += nbytes
+            self._host_peak = max(self._host_peak, self._host_live)
+            self._corrections.append((self._born[key], len(self._timeline), nbytes))
+
+    @property
+    def host_peak_bytes(self) -> int:
+        return self._host_peak
 
     def track_existing(self, *tensors: torch.Tensor) -> None:
         """Count tensors made before the monitor started (e.g. the model on the GPU path)."""
@@ -139,7 +195,18 @@ class CpuMemoryMonitor(MemoryMonitor):
 
     @property
     def peak_bytes(self) -> int:
-        return self._peak
+        if not self._corrections:
+            return self._peak
+        n = len(self._timeline)
+        delta = [0] * (n + 1)
+        for start, end, nbytes in self._corrections:
+            delta[start] += nbytes
+            delta[end] -= nbytes
+        best, running = 0, 0
+        for i in range(n):
+            running += delta[i]
+            best = max(best, self._timeline[i] - running)
+        return best
 
     @property
     def live_bytes(self) -> int:

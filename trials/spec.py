@@ -59,6 +59,7 @@ class TrialResult:
     wall_s: float = 0.0
     memory_breakdown: dict[str, int] = field(default_factory=dict)
     stderr_tail: str = ""
+    rank_peaks: list[int] = field(default_factory=list)  # per rank, in a multi-process trial
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -71,3 +72,11 @@ class TrialResult:
     @classmethod
     def load(cls, path: str | Path) -> TrialResult:
         return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def rank_result_path(result_path: Path, rank: int, world_size: int) -> Path:
+    """Where rank ``rank`` writes its result: the path itself alone, ``NAME.rankR.json`` in a
+    multi-process trial (the runner merges them)."""
+    if world_size <= 1:
+        return result_path
+    return result_path.with_name(f"{result_path.stem}.rank{rank}{result_path.suffix}")

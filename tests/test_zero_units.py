@@ -1,0 +1,143 @@
+"""The ZeRO / quantization pieces that need no DeepSpeed engine: space, hardware, merging, LoRA,
+host-memory accounting."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from autotune.errors import UserError
+from autotune.hardware import Hardware, unavailable_reason
+from autotune.runner import merge_ranks
+from autotune.space import SearchSpace
+from tests.conftest import TINY, tiny_spec
+from trials.engines import TorchEngine
+from trials.job import build_model, rank_batch
+from trials.memory import CpuMemoryMonitor
+from trials.quantization import QUANTIZATION, add_lora
+from trials.spec import TrialResult
+
+CPU = Hardware("cpu", has_deepspeed=True, has_cxx=True)
+A100 = Hardware(
+    "cuda",
+    cuda_capability=(8, 0),
+    gpu_count=1,
+    has_flash_attn=True,
+    has_bitsandbytes=True,
+    has_peft=True,
+    has_deepspeed=True,
+    has_cxx=True,
+)
+T4 = Hardware("cuda", cuda_capability=(7, 5), gpu_count=1, has_bitsandbytes=True, has_peft=True)
+
+
+def test_default_space_never_samples_meaningless_zero_combinations() -> None:
+    grid = SearchSpace.load().resolve(16, CPU).grid()
+    assert {c["zero_stage"] for c in grid} == {0, 1, 2, 3}
+    for c in grid:
+        stage = c["zero_stage"]
+        assert ("offload_optimizer" in c) == (stage >= 1)
+        assert ("offload_param" in c) == (stage == 3)
+        assert ("allgather_bucket_size" in c) == (stage in (1, 2))
+        assert ("overlap_comm" in c) == ("contiguous_gradients" in c) == (stage in (2, 3))
+        if c.get("offload_optimizer") == "cpu":
+            assert c["optimizer"] == "adamw"
+        assert c["precision"] != "fp16"  # DeepSpeed has no fp16 on a CPU without oneDNN fp16
+
+
+def test_space_reads_yaml_booleans_and_exponents() -> None:
+    text = {
+        "dimensions": {
+            "zero_stage": {"choices": [2]},
+            "offload_optimizer": {"choices": [False, "cpu"]},  # YAML `off`
+            "reduce_bucket_size": {"choices": ["5e6", 5.0e7]},  # YAML reads 5e6 as a string
+            "overlap_comm": {"choices": ["yes", False]},
+        }
+    }
+    dims = {d.name: d.choices for d in SearchSpace.from_dict(text).dimensions}
+    assert dims["offload_optimizer"] == ("none", "cpu")
+    assert dims["reduce_bucket_size"] == (5_000_000, 50_000_000)
+    assert dims["overlap_comm"] == (True, False)
+    for bad in ({"zero_stage": {"choices": [True]}}, {"overlap_comm": {"choices": ["maybe"]}}):
+        with pytest.raises(UserError):
+            SearchSpace.from_dict({"dimensions": bad})
+
+
+@pytest.mark.parametrize(
+    ("hw", "dim", "choice", "reason"),
+    [
+        (A100, "quantization", "nf4", None),
+        (T4, "quantization", "int8", None),
+        (CPU, "quantization", "nf4", "bitsandbytes needs a CUDA GPU"),
+        (Hardware("cuda", (8, 0), 1, has_bitsandbytes=True), "quantization", "nf4", "peft"),
+        (A100, "optimizer", "adamw_8bit", None),
+        (CPU, "optimizer", "adamw_8bit", "CUDA"),
+        (A100, "attention", "flash_attention_2", None),
+        (T4, "attention", "flash_attention_2", "SM80"),
+        (T4, "precision", "bf16", "SM80"),
+        (CPU, "offload_optimizer", "cpu", None),
+        (Hardware("cpu", has_cxx=False), "offload_optimizer", "cpu", "C++ compiler"),
+        (Hardware("cpu", has_deepspeed=False), "offload_param", "cpu", "deepspeed is not"),
+    ],
+)
+def test_capability_checks(hw: Hardware, dim: str, choice: Any, reason: str | None) -> None:
+    got = unavailable_reason(hw, dim, choice)
+    assert got is None if reason is None else reason in (got or "")
+
+
+def test_fp16_goes_only_where_deepspeed_runs_it() -> None:
+    assert unavailable_reason(CPU, "precision", "fp16", {"zero_stage"})
+    assert unavailable_reason(CPU, "precision", "fp16") is None  # plain torch: GradScaler on CPU
+    assert unavailable_reason(A100, "precision", "fp16", {"zero_stage"}) is None
+
+
+def test_merge_takes_worst_peak_and_sums_throughput() -> None:
+    a = TrialResult("ok", peak_bytes=100, tokens_per_s=10.0, losses=[4.0, 2.0])
+    b = TrialResult("ok", peak_bytes=120, tokens_per_s=12.0, losses=[2.0, 1.0])
+    merged = merge_ranks([a, b])
+    assert (merged.peak_bytes, merged.tokens_per_s, merged.losses) == (120, 22.0, [3.0, 1.5])
+    assert merged.rank_peaks == [100, 120]
+    oom = merge_ranks([a, TrialResult("oom", peak_bytes=130, error="out of memory")])
+    assert (oom.status, oom.peak_bytes, oom.error) == ("oom", 130, "out of memory")
+
+
+def test_rank_batches_split_the_same_tokens() -> None:
+    spec = tiny_spec({}, global_batch_size=2)
+    both = torch.cat([rank_batch(spec, 3, r, 2) for r in range(2)])
+    wide = tiny_spec({}, global_batch_size=4)
+    assert torch.equal(both, rank_batch(wide, 3, 0, 1))
+
+
+def test_lora_trains_only_the_adapters() -> None:
+    """The LoRA path of quantized training, in full precision on the CPU."""
+    model = add_lora(build_model(TINY, "sdpa", 0))
+    trainable = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    assert sum(p.numel() for p in trainable.values()) < 0.1 * sum(
+        p.numel() for p in frozen.values()
+    )
+    spec = tiny_spec({"micro_batch_size": 4}, seq_len=16)
+    engine = TorchEngine(model, spec, torch.device("cpu"), CpuMemoryMonitor(None))
+    losses = [engine.step(rank_batch(spec, s, 0, 1)) for s in range(3)]
+    assert all(loss == loss for loss in losses)
+    params = dict(model.named_parameters())
+    assert all(torch.equal(params[n], v) for n, v in frozen.items())
+    assert any(not torch.equal(params[n], v) for n, v in trainable.items() if "lora_B" in n)
+    assert set(QUANTIZATION) == {"none", "int8", "nf4"}
+
+
+def test_host_marked_tensors_leave_the_device_peak_from_their_creation() -> None:
+    monitor = CpuMemoryMonitor(None)
+    with monitor:
+        host = torch.zeros(1000)  # 4000 B, "offloaded", but only known to be later
+        device = torch.zeros(500)  # 2000 B
+        monitor.mark_host(host)
+        tmp = torch.zeros(250)  # 1000 B
+        del tmp
+    assert monitor.peak_bytes == 3000  # device + tmp, as if host had never been on the device
+    assert monitor.host_peak_bytes == 4000
+    assert monitor.live_bytes == 2000
+    del device, host

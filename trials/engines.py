@@ -1,0 +1,184 @@
+"""Training engines: what one optimizer step means, behind one interface.
+
+``torch``: the model as built, torch autocast/GradScaler and the optimizer of the config;
+``DistributedDataParallel`` when torchrun started several ranks. ``deepspeed``: the real
+DeepSpeed engine with the config ``trials.zero.deepspeed_config`` builds (any ZeRO stage,
+offload). The trial job picks the row from the config (``engine_for``); no ``if`` chains.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+
+from trials.memory import MemoryMonitor
+from trials.spec import TrialSpec
+from trials.techniques import OPTIMIZERS, PRECISIONS
+from trials.zero import (
+    DS_OPTIMIZERS,
+    deepspeed_config,
+    ensure_distributed,
+    offloaded_tensors,
+    uses_deepspeed,
+)
+
+
+def micro_and_accumulation(spec: TrialSpec) -> tuple[int, int]:
+    micro = int(spec.config.get("micro_batch_size", spec.global_batch_size))
+    if micro < 1 or spec.global_batch_size % micro:
+        raise ValueError(
+            f"micro_batch_size {micro} does not divide global_batch_size {spec.global_batch_size}"
+        )
+    return micro, spec.global_batch_size // micro
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size) of this job: torchrun's, or (0, 1) alone."""
+    import os
+
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+class Engine(ABC):
+    """Wraps a built model; ``step`` runs one optimizer step over the rank's micro-batches."""
+
+    def __init__(
+        self, model: nn.Module, spec: TrialSpec, device: torch.device, monitor: MemoryMonitor
+    ) -> None:
+        self.spec = spec
+        self.device = device
+        self.monitor = monitor
+        self.micro, self.accum = micro_and_accumulation(spec)
+        self.rank, self.world = world()
+
+    @abstractmethod
+    def step(self, tokens: torch.Tensor) -> float:
+        """Train on ``tokens`` (this rank's batch); return its mean loss."""
+
+    @abstractmethod
+    def breakdown(self, peak: int) -> dict[str, int]: ...
+
+    def micro_batches(self, tokens: torch.Tensor) -> list[torch.Tensor]:
+        return [tokens[i * self.micro : (i + 1) * self.micro] for i in range(self.accum)]
+
+
+class TorchEngine(Engine):
+    def __init__(
+        self, model: nn.Module, spec: TrialSpec, device: torch.device, monitor: MemoryMonitor
+    ) -> None:
+        super().__init__(model, spec, device, monitor)
+        cfg = spec.config
+        self.model = model
+        if self.world > 1:
+            ensure_distributed(spec.backend, deepspeed_comm=False)
+            ids = [device.index] if device.type == "cuda" else None
+            self.model = nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = OPTIMIZERS[cfg.get("optimizer", "adamw")].factory(trainable, spec.lr)
+        precision = PRECISIONS[cfg.get("precision", "fp32")]
+        self.autocast_dtype = precision.autocast_dtype
+        self.scaler = torch.amp.GradScaler(device.type) if precision.loss_scaling else None
+
+    def _autocast(self) -> Any:
+        if self.autocast_dtype is None:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def step(self, tokens: torch.Tensor) -> float:
+        total = 0.0
+        for ids in self.micro_batches(tokens):
+            with self._autocast():
+                loss = self.model(input_ids=ids, labels=ids).loss / self.accum
+            if self.scaler is not None:
+                self.scaler.scale(loss).backward()
+            else:
+                loss.backward()
+            total += float(loss.detach())
+            del loss
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total
+
+    def breakdown(self, peak: int) -> dict[str, int]:
+        params = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        states = sum(
+            v.numel() * v.element_size()
+            for s in self.optimizer.state.values()
+            for v in s.values()
+            if isinstance(v, torch.Tensor)
+        )
+        grads = params  # freed by zero_grad; at the peak they exist in full precision
+        return {
+            "parameters": params,
+            "gradients": grads,
+            "optimizer_states": states,
+            "activations_and_other": max(0, peak - params - grads - states),
+        }
+
+
+class DeepSpeedEngine(Engine):
+    """``deepspeed.initialize`` with the trial's generated config; DeepSpeed owns accumulation
+    (``engine.backward`` scales by 1/accumulation, ``engine.step`` steps at the boundary)."""
+
+    def __init__(
+        self, model: nn.Module, spec: TrialSpec, device: torch.device, monitor: MemoryMonitor
+    ) -> None:
+        super().__init__(model, spec, device, monitor)
+        import deepspeed
+
+        cfg = spec.config
+        ensure_distributed(spec.backend, deepspeed_comm=True)
+        self.rank, self.world = world()
+        self.ds_config = deepspeed_config(
+            cfg,
+            self.micro,
+            self.accum,
+            str(cfg.get("precision", "fp32")),
+            self.world,
+            spec.lr,
+            spec.backend,
+        )
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        optimizer_name = str(cfg.get("optimizer", "adamw"))
+        client = (
+            None
+            if optimizer_name in DS_OPTIMIZERS
+            else OPTIMIZERS[optimizer_name].factory(trainable, spec.lr)
+        )
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=model, model_parameters=trainable, optimizer=client, config=self.ds_config
+        )
+        self.model = model
+        self._mark_offloaded()
+
+    def _mark_offloaded(self) -> None:
+        self.monitor.mark_host(*offloaded_tensors(self.optimizer, self.model, self.spec.config))
+
+    def step(self, tokens: torch.Tensor) -> float:
+        total = 0.0
+        for ids in self.micro_batches(tokens):
+            loss = self.engine(input_ids=ids, labels=ids).loss
+            self.engine.backward(loss)  # scaled by 1/accumulation inside
+            self.engine.step()  # the optimizer steps at the accumulation boundary only
+            total += float(loss.detach()) / self.accum
+            del loss
+        self._mark_offloaded()  # optimizer states appear at the first step
+        return total
+
+    def breakdown(self, peak: int) -> dict[str, int]:
+        return {"device": peak, "host_offloaded": self.monitor.host_peak_bytes}
+
+
+ENGINES: dict[str, type[Engine]] = {"torch": TorchEngine, "deepspeed": DeepSpeedEngine}
+
+
+def engine_for(config: dict[str, Any]) -> str:
+    return "deepspeed" if uses_deepspeed(config) else "torch"

@@ -1,0 +1,102 @@
+"""Quantized training: the base model's linear layers in 8 or 4 bits (bitsandbytes, CUDA only),
+frozen, with trainable LoRA adapters on top (peft), i.e. LoRA / QLoRA fine-tuning.
+
+``quantization: none`` trains every weight in full precision (no adapters). The space offers
+``int8`` and ``nf4`` only where ``autotune.hardware`` finds CUDA, bitsandbytes and peft.
+``add_lora`` is the part that runs anywhere; the tests run it on a tiny model on the CPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+#: LoRA on every linear layer but the output head (QLoRA's recipe, Dettmers et al. 2023)
+LORA_RANK = 8
+LORA_ALPHA = 16
+
+
+def add_lora(model: nn.Module, rank: int = LORA_RANK, alpha: int = LORA_ALPHA) -> nn.Module:
+    """Freeze ``model`` and add trainable LoRA adapters to its linear layers (peft)."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        lora_dropout=0.0,  # dropout would make the loss depend on the RNG, not the technique
+        target_modules="all-linear",
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, config)  # type: ignore[arg-type]
+
+
+def _int8_linear(linear: nn.Linear) -> nn.Module:
+    import bitsandbytes as bnb
+
+    q = bnb.nn.Linear8bitLt(
+        linear.in_features,
+        linear.out_features,
+        bias=linear.bias is not None,
+        has_fp16_weights=False,
+        threshold=6.0,
+    )
+    q.weight = bnb.nn.Int8Params(
+        linear.weight.data.cpu(), requires_grad=False, has_fp16_weights=False
+    )
+    if linear.bias is not None:
+        q.bias = nn.Parameter(linear.bias.data.cpu(), requires_grad=False)
+    return q  # quantized when moved to the GPU
+
+
+def _nf4_linear(linear: nn.Linear) -> nn.Module:
+    import bitsandbytes as bnb
+
+    q = bnb.nn.Linear4bit(
+        linear.in_features,
+        linear.out_features,
+        bias=linear.bias is not None,
+        compute_dtype=torch.bfloat16,
+        quant_type="nf4",
+    )
+    q.weight = bnb.nn.Params4bit(linear.weight.data.cpu(), requires_grad=False, quant_type="nf4")
+    if linear.bias is not None:
+        q.bias = nn.Parameter(linear.bias.data.cpu(), requires_grad=False)
+    return q
+
+
+def replace_linears(
+    model: nn.Module, make: Callable[[nn.Linear], nn.Module], skip: tuple[str, ...] = ("lm_head",)
+) -> int:
+    """Swap every ``nn.Linear`` (except ``skip``) for ``make(linear)``; return how many."""
+    swapped = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear) and name not in skip:
+                setattr(module, name, make(child))
+                swapped += 1
+    return swapped
+
+
+def _quantized(
+    make: Callable[[nn.Linear], nn.Module],
+) -> Callable[[nn.Module, torch.device], nn.Module]:
+    def apply(model: nn.Module, device: torch.device) -> nn.Module:
+        for p in model.parameters():
+            p.requires_grad_(False)
+        replace_linears(model, make)
+        return add_lora(model.to(device))
+
+    return apply
+
+
+def _full_precision(model: nn.Module, device: torch.device) -> nn.Module:
+    return model
+
+
+QUANTIZATION: dict[str, Callable[[nn.Module, torch.device], nn.Module]] = {
+    "none": _full_precision,
+    "int8": _quantized(_int8_linear),
+    "nf4": _quantized(_nf4_linear),
+}

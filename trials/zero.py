@@ -1,0 +1,196 @@
+"""ZeRO through the real DeepSpeed engine: the one config builder, and the offload bookkeeping.
+
+``deepspeed_config`` is the single place a DeepSpeed JSON is made: the trial job passes its result
+to ``deepspeed.initialize`` and ``autotune export --format deepspeed`` writes the same dict, so
+the exported file is exactly what the trial ran.
+
+Choices that keep a ZeRO trial exact against the plain PyTorch trial of the same config:
+
+* ``optimizer.params.torch_adam = true`` without offload: DeepSpeed then builds
+  ``torch.optim.AdamW`` itself (the reference's optimizer), instead of its fused CUDA Adam.
+* With ``offload_optimizer: cpu`` DeepSpeed insists on ``DeepSpeedCPUAdam`` (a C++/AVX build of
+  the same AdamW update); its losses agree with torch's AdamW to ~1e-6 relative (see README).
+* ``gradient_clipping: 0`` because the plain trial does not clip.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+#: config key -> the ``zero_optimization`` key it sets, and the stages that use it
+ZERO_KNOBS: dict[str, tuple[str, tuple[int, ...]]] = {
+    "reduce_bucket_size": ("reduce_bucket_size", (1, 2, 3)),
+    "allgather_bucket_size": ("allgather_bucket_size", (1, 2)),
+    "overlap_comm": ("overlap_comm", (2, 3)),
+    "contiguous_gradients": ("contiguous_gradients", (2, 3)),
+}
+
+STAGE3_WORKING_SET = (
+    "stage3_max_live_parameters",
+    "stage3_max_reuse_distance",
+    "stage3_prefetch_bucket_size",
+)
+
+#: optimizer choice -> DeepSpeed ``optimizer.type``; others are passed to DeepSpeed as a client
+#: optimizer (the JSON then has no ``optimizer`` section) and cannot be offloaded.
+DS_OPTIMIZERS: dict[str, str] = {"adamw": "AdamW"}
+ADAM_BETAS = (0.9, 0.999)  # torch.optim.AdamW's defaults, which the reference uses
+ADAM_EPS = 1e-8
+
+
+def uses_deepspeed(config: dict[str, Any]) -> bool:
+    return "zero_stage" in config
+
+
+def offloads_optimizer(config: dict[str, Any]) -> bool:
+    return int(config.get("zero_stage", 0)) >= 1 and config.get("offload_optimizer") == "cpu"
+
+
+def offloads_params(config: dict[str, Any]) -> bool:
+    return int(config.get("zero_stage", 0)) == 3 and config.get("offload_param") == "cpu"
+
+
+def deepspeed_config(
+    config: dict[str, Any],
+    micro_batch: int,
+    accumulation: int,
+    precision: str,
+    nproc: int,
+    lr: float,
+    backend: str = "cuda",
+) -> dict[str, Any]:
+    """The DeepSpeed JSON for a trial config (also what ``autotune export`` writes)."""
+    stage = int(config.get("zero_stage", 0))
+    pin = backend == "cuda"  # pinned host buffers speed up GPU<->CPU copies; moot on a CPU
+    zero: dict[str, Any] = {"stage": stage}
+    for key, (ds_key, stages) in ZERO_KNOBS.items():
+        if stage in stages and key in config:
+            value = config[key]
+            zero[ds_key] = bool(value) if isinstance(value, bool) else int(value)
+    if stage == 3 and "reduce_bucket_size" in config:
+        # Stage 3's working set of gathered parameters follows the same knob: with DeepSpeed's
+        # defaults (1e9 elements) nothing gathered is released before it is reused in backward,
+        # and a model under a billion parameters keeps every layer gathered, as without ZeRO-3.
+        for key in STAGE3_WORKING_SET:
+            zero[key] = int(config["reduce_bucket_size"])
+    if offloads_optimizer(config):
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
+    if offloads_params(config):
+        zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
+    ds: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": accumulation,
+        "train_batch_size": micro_batch * accumulation * nproc,
+        "gradient_clipping": 0.0,
+        "bf16": {"enabled": precision == "bf16"},
+        "fp16": {
+            "enabled": precision == "fp16",
+            "loss_scale": 0,  # dynamic, as torch's GradScaler
+            "initial_scale_power": 16,  # GradScaler's initial scale 2**16
+            "loss_scale_window": 1000,
+            "hysteresis": 2,
+            "min_loss_scale": 1,
+        },
+        "zero_optimization": zero,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+    optimizer = str(config.get("optimizer", "adamw"))
+    if optimizer in DS_OPTIMIZERS:
+        params: dict[str, Any] = {
+            "lr": lr,
+            "betas": list(ADAM_BETAS),
+            "eps": ADAM_EPS,
+            "weight_decay": 0.0,
+        }
+        if not offloads_optimizer(config):
+            params["torch_adam"] = True
+        ds["optimizer"] = {"type": DS_OPTIMIZERS[optimizer], "params": params}
+    elif stage > 0:
+        ds["zero_allow_untested_optimizer"] = True
+    return ds
+
+
+# --- one process (or torchrun's N) as a DeepSpeed world ------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def ensure_distributed(backend: str, deepspeed_comm: bool) -> None:
+    """Join (or, alone, make) the process group: gloo on CPU, nccl on CUDA.
+
+    torchrun sets RANK/WORLD_SIZE/MASTER_*; a single job sets them itself, on a free port.
+    """
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    dist_backend = "nccl" if backend == "cuda" else "gloo"
+    if deepspeed_comm:
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend=dist_backend, verbose=False)
+    else:
+        torch.distributed.init_process_group(dist_backend)
+
+
+# --- what lives on the host when offloaded --------------------------------------------------------
+
+
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+        if obj.grad is not None:
+            yield obj.grad
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, list | tuple):
+        for v in obj:
+            yield from _tensors(v)
+
+
+#: DeepSpeed ZeRO optimizer attributes that hold host buffers under ``offload_optimizer``
+#: (fp32 master partitions and their gradients; stage 1/2 and stage 3 name them differently)
+_OFFLOADED_OPTIMIZER_ATTRS = (
+    "single_partition_of_fp32_groups",
+    "accumulated_grads_in_cpu",
+    "fp32_partitioned_groups_flat",
+    "grad_partitions_flat_buffer",
+)
+#: ... and under ``offload_param`` (stage 3's 16-bit partitions)
+_OFFLOADED_PARAM_ATTRS = ("fp16_partitioned_groups_flat",)
+
+
+def offloaded_tensors(
+    zero_optimizer: Any, model: torch.nn.Module, config: dict[str, Any]
+) -> list[torch.Tensor]:
+    """The tensors DeepSpeed keeps in host memory for this config (empty without offload).
+
+    On a GPU these are plainly CPU tensors; on the CPU backend every tensor is a CPU tensor, so
+    the memory monitor is told which of them are the host side (see ``CpuMemoryMonitor``).
+    """
+    out: list[torch.Tensor] = []
+    if offloads_optimizer(config):
+        for attr in _OFFLOADED_OPTIMIZER_ATTRS:
+            out += _tensors(getattr(zero_optimizer, attr, None))
+        inner = getattr(zero_optimizer, "optimizer", None)
+        if inner is not None:
+            out += _tensors(list(inner.state.values()))
+    if offloads_params(config):
+        for attr in _OFFLOADED_PARAM_ATTRS:
+            out += _tensors(getattr(zero_optimizer, attr, None))
+        partitions = (getattr(p, "ds_tensor", None) for p in model.parameters())
+        out += [t for t in partitions if t is not None]
+    return out
