@@ -13,9 +13,10 @@ grid) the sampler starts from what is cheap to know:
    bigger micro-batch or less checkpointing would too; those are never proposed. An OOM is
    also a lower bound on the peak and enters the correction as such.
 4. **Loss.** A lossy choice whose every measured trial broke the loss guard is tried last.
-5. **Choice.** Propose the untried configuration with the highest corrected speed among those
-   whose corrected peak fits the budget; if none is predicted to fit, the smallest predicted
-   peak (to learn where the boundary is).
+5. **Choice.** Propose the untried configuration with the highest corrected speed, plus a small
+   bonus for technique choices not measured yet (LinUCB: the ridge's posterior spread), among
+   those whose corrected peak fits the budget; if none is predicted to fit, the smallest
+   predicted peak (to learn where the boundary is).
 
 It is an Optuna sampler: each trial's whole configuration is planned in ``before_trial`` and
 ``sample_independent`` answers the space's suggest calls from the plan, so the study, its
@@ -110,12 +111,18 @@ class _Ridge:
         self.alpha = alpha
         self.w = np.zeros(n_features)
 
+        self.a_inv = np.eye(n_features) / alpha
+
     def fit(self, x: np.ndarray, y: Sequence[float]) -> None:
-        if len(y) == 0:
-            return
         penalty = self.alpha * np.eye(x.shape[1])
         penalty[-1, -1] = 1e-3
-        self.w = np.linalg.solve(x.T @ x + penalty, x.T @ np.asarray(y))
+        self.a_inv = np.linalg.inv(x.T @ x + penalty)
+        if len(y):
+            self.w = self.a_inv @ (x.T @ np.asarray(y))
+
+    def uncertainty(self, x: np.ndarray) -> np.ndarray:
+        """Posterior spread of the correction, in units of the residual noise (LinUCB)."""
+        return np.sqrt(np.maximum(np.einsum("ij,jk,ik->i", x, self.a_inv, x), 0.0))
 
 
 class AutotuneSampler(BaseSampler):
@@ -132,10 +139,12 @@ class AutotuneSampler(BaseSampler):
         *,
         seed: int | None = None,
         ridge_alpha: float = 1.0,
+        optimism: float = 0.1,
     ) -> None:
         self.candidates = [dict(c) for c in candidates]
         self.budget = float(budget_bytes)
         self.ridge_alpha = ridge_alpha
+        self.optimism = optimism
         self._index = {_key(c): i for i, c in enumerate(self.candidates)}
         prior = np.array([predict(c) for c in self.candidates], dtype=float).reshape(-1, 2)
         self._log_peak = np.log(np.maximum(prior[:, 0], 1.0))
@@ -224,7 +233,13 @@ class AutotuneSampler(BaseSampler):
         if done.all():
             return None
         log_peak = self._log_peak + self._x @ peak_model.w
-        log_speed = self._log_speed + self._x @ speed_model.w
+        # optimism in the face of uncertainty (LinUCB): among candidates the estimator ranks
+        # alike, prefer choices not yet measured, whose speed correction is still unknown
+        log_speed = (
+            self._log_speed
+            + self._x @ speed_model.w
+            + self.optimism * speed_model.uncertainty(self._x)
+        )
         bad = [self._feature[f] for f in _always_bad_loss(history) if f in self._feature]
         penalty = self._x[:, bad].sum(axis=1) if bad else np.zeros(len(self.candidates))
         fits = (log_peak <= log_budget) & ~done
