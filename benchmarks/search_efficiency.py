@@ -270,7 +270,7 @@ def main() -> None:
         grid, predict, budget = sc.setup()
         space = sc.space()
         prior = {_key(c): predict(c) for c in grid}
-        autotune = AutotuneSampler(grid, lambda c: prior[_key(c)], budget)
+        autotune = AutotuneSampler(grid, lambda c, p=prior: p[_key(c)], budget)
         cap = min(args.cap, len(grid))
         results: dict[str, list[int | None]] = {k: [] for k in names}
         for seed in range(args.seeds):
