@@ -152,7 +152,8 @@ def test_estimate_runner_and_prescreen(tmp_path: Path) -> None:
     assert not (tmp_path / "runs").exists()
 
 
-def test_cli_estimate_one_config(tmp_path: Path) -> None:
+def test_cli_estimate_one_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AUTOTUNE_CACHE", str(tmp_path / "cache"))
     cfg = tmp_path / "c.yaml"
     cfg.write_text("precision: bf16\nmicro_batch_size: 1\ngradient_checkpointing: full\n")
     result = cli(
@@ -162,11 +163,13 @@ def test_cli_estimate_one_config(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert "analytical" in result.output and "traced" in result.output
     assert "optimizer_states" in result.output and "yes" in result.output
+    assert list((tmp_path / "cache" / "traced").glob("*.json"))  # the trace was cached
     bad = cli("estimate", "--model", "tiny-llama", "--budget", "1GB", "--gpu", "tpu")
     assert bad.exit_code == 2 and "unknown GPU" in bad.output
 
 
-def test_cli_run_llama7b_24gb_without_a_gpu(in_tmp: Path) -> None:
+def test_cli_run_llama7b_24gb_without_a_gpu(in_tmp: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AUTOTUNE_CACHE", str(in_tmp / "cache"))
     result = cli("run", "--model", "llama-7b", "--budget", "24GB", "--trials", "20")
     assert result.exit_code == 0, result.output
     out = " ".join(result.output.split())

@@ -12,9 +12,9 @@ Accounting (Psi parameters, N GPUs, K optimizer-state bytes per parameter):
   ``estimate_zero3``), plus the gathered working set (largest layer and the prefetch bucket).
 * ``offload_optimizer: cpu`` keeps master weights and states in host memory;
   ``offload_param: cpu`` (stage 3) keeps the parameter shards there too.
-* ``quantization`` int8/nf4: frozen base linear weights at 1 / 0.5 B (+ block scales), other
-  weights frozen in 16 bits, LoRA adapters (rank ``lora_r``, default 16, on every linear of
-  every layer) trained in fp32 with the chosen optimizer.
+* ``quantization`` int8/nf4: frozen base linear weights at 1 / 0.5 B (+ scales), other weights
+  frozen in fp32, LoRA adapters (rank ``lora_r``, default 8, on every linear of every layer)
+  trained in fp32 with the chosen optimizer.
 """
 
 from __future__ import annotations
@@ -26,10 +26,10 @@ from trials.techniques import OPTIMIZERS
 
 Shape = tuple[int, ...]
 
-#: bytes per base weight when quantized (bitsandbytes: int8 row-wise scales; nf4 blocks of 64
-#: with double-quantized absmax, Dettmers et al. 2023: 4.127 bits)
-QUANT_BYTES = {"int8": 1.0 + 4 / 4096, "nf4": 4.127 / 8}
-DEFAULT_LORA_R = 16
+#: bytes per base weight when quantized, as trials/quantization.py builds them (bitsandbytes:
+#: int8 with a row-wise fp32 scale; nf4 in blocks of 64 with an fp32 absmax, no double quant)
+QUANT_BYTES = {"int8": 1.0 + 4 / 4096, "nf4": (4 + 32 / 64) / 8}
+DEFAULT_LORA_R = 8  # trials.quantization.LORA_RANK
 DS_PREFETCH_PARAMS = 50_000_000  # DeepSpeed stage3_prefetch_bucket_size default
 
 
@@ -115,7 +115,8 @@ def model_states(model_cfg: dict[str, Any], config: dict[str, Any], nproc: int) 
         for out_f, in_f in linear:
             lora_shapes += [(r, in_f), (out_f, r)]
         lora = sum(numel(s) for s in lora_shapes)
-        frozen = int(quantized * QUANT_BYTES[quant]) + 2 * (n_params - quantized)
+        # embeddings, norms and the head stay frozen in fp32, as the trial job builds them
+        frozen = int(quantized * QUANT_BYTES[quant]) + 4 * (n_params - quantized)
         notes.append(f"{quant} base weights + LoRA r={r} ({lora / 1e6:.1f}M trainable) by formula")
         return ModelStates(
             {
