@@ -487,8 +487,12 @@ def export_cmd(study_name: str | None, storage: str, fmt: str, out: Path) -> Non
             f"study '{study.study_name}' has no trial that fits {format_size(sel.budget_bytes)}"
             " yet: nothing to export"
         )
-    path = export(fmt, sel.winner.config, settings_of(study), out)
+    settings = settings_of(study)
+    path = export(fmt, sel.winner.config, settings, out)
     console.print(f"wrote {fmt} config of trial {sel.winner.number} to {path}")
+    if settings.backend == "estimate":
+        gpu = gpu_spec(settings.target_gpu).name
+        console.print(f"[yellow]predicted for {gpu}, not measured[/yellow]: run it there first")
 
 
 main.add_command(estimate_cmd)
