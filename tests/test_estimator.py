@@ -184,4 +184,8 @@ def test_cli_run_llama7b_24gb_without_a_gpu(in_tmp: Path, monkeypatch: pytest.Mo
     assert fits and all(t.user_attrs["peak_bytes"] <= 24 * 10**9 for t in fits)
     shown = cli("show", "--json")
     assert shown.exit_code == 0
-    assert json.loads(shown.output)  # exportable like any other study
+    assert json.loads(shown.output)
+    exported = cli("export", "--format", "deepspeed", "--out", "ds.json")  # like any other study
+    assert exported.exit_code == 0, exported.output
+    assert "predicted for NVIDIA GeForce RTX 4090, not measured" in exported.output
+    assert json.loads((in_tmp / "ds.json").read_text())["train_micro_batch_size_per_gpu"] >= 1
