@@ -29,7 +29,7 @@ from autotune.units import format_size, parse_size
 
 ESTIMATE_SPACE = "estimate.yaml"
 #: trials of an estimate study: each is instant, so many more than real ones
-ESTIMATE_TRIALS = 100
+ESTIMATE_TRIALS = 60
 PRESCREEN_MARGIN = 0.25
 
 
