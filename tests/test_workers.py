@@ -3,7 +3,8 @@
 Each worker is the real CLI in its own process, running real trial jobs; the study is made as
 `autotune run` makes it, with the reference queued, so one of the workers runs it. Afterwards:
 as many trials as the workers were asked for, each number once, none left running, the
-reference run once, and `autotune show` names the winner the selector computes.
+reference run once, and `autotune show` names the winner the selector computes. A cheaper
+test hammers one SQLite file from 3 processes with the storage as autotune opens it.
 """
 
 from __future__ import annotations
@@ -82,6 +83,49 @@ def _check_study(storage: str, name: str, expected: int, cwd: Path) -> optuna.St
     return study
 
 
+WRITER = """
+import sys, optuna
+from autotune.storage import open_storage
+optuna.logging.set_verbosity(optuna.logging.ERROR)
+study = optuna.load_study(study_name="stress", storage=open_storage(sys.argv[1]))
+
+def objective(trial):
+    x = trial.suggest_float("x", 0.0, 1.0)
+    for i in range(3):
+        trial.set_user_attr(f"attr{i}", i)
+    return x
+
+study.optimize(objective, n_trials=int(sys.argv[2]))
+"""
+
+
+def test_concurrent_writers_on_one_sqlite_file_lose_nothing(tmp_path: Path) -> None:
+    """The storage as autotune opens it (heartbeats on), hammered by 3 processes at once."""
+    db = tmp_path / "stress.db"
+    storage = f"sqlite:///{db}"
+    optuna.create_study(study_name="stress", storage=open_storage(storage))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", WRITER, storage, "15"],
+            env=ENV,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for _ in range(3)
+    ]
+    for p in procs:
+        out, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, out
+        assert "locked" not in out
+    trials = optuna.load_study(study_name="stress", storage=storage).get_trials()
+    assert sorted(t.number for t in trials) == list(range(45))
+    assert all(t.state == TrialState.COMPLETE and len(t.user_attrs) == 3 for t in trials)
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+
+
+@pytest.mark.slow
 def test_two_workers_on_one_sqlite_file(tmp_path: Path) -> None:
     storage = f"sqlite:///{tmp_path / 'shared.db'}"
     _new_study(storage, "sqlite-workers")
