@@ -411,6 +411,11 @@ def worker(
     """
     study = load_existing(open_storage(storage, must_exist=True), study_name)
     settings = settings_of(study)
+    if settings.backend == "cuda" and not _cuda_available():
+        raise UserError(
+            f"study '{study_name}' measures on CUDA GPUs and this machine has no CUDA GPU "
+            "visible: run its workers where the GPUs are"
+        )
     console.print(
         f"worker {os.getpid()} on study '{study_name}': {len(study.trials)} trials so far, "
         f"running {n_trials}"

@@ -14,8 +14,10 @@ from autotune.study import StudySettings, create_or_load
 from autotune.units import budget_label, parse_size
 
 
-def make_study(storage_url: str, name: str, space: Path, budget: str = "150MB") -> optuna.Study:
-    """What ``autotune run`` creates for tiny-llama at seq 64, batch 8, on the CPU."""
+def make_study(
+    storage_url: str, name: str, space: Path, budget: str = "150MB", backend: str = "cpu"
+) -> optuna.Study:
+    """What ``autotune run`` creates for tiny-llama at seq 64, batch 8 (on the CPU)."""
     entry = resolve_model("tiny-llama")
     resolved = SearchSpace.load(space).resolve(8, Hardware.detect("cpu"))
     settings = StudySettings(
@@ -23,7 +25,7 @@ def make_study(storage_url: str, name: str, space: Path, budget: str = "150MB") 
         model_config=entry.config,
         budget_bytes=parse_size(budget),
         budget_label=budget_label(budget),
-        backend="cpu",
+        backend=backend,
         seq_len=64,
         global_batch_size=8,
         space=resolved.as_dict(),

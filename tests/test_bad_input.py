@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from autotune.cli import main
@@ -19,6 +20,7 @@ from tests.conftest import SMALL_ARGS, SMALL_SPACE
 from tests.studies import make_study
 
 STUDY = "existing"
+CUDA_STUDY = "measured-on-cuda"
 SECRET = "hunter2-secret"
 TINY = ["--model", "tiny-llama"]
 RUN_1GB = ["run", *TINY, "--budget", "1GB", "--space", str(SMALL_SPACE), *SMALL_ARGS]
@@ -94,6 +96,7 @@ CASES: list[tuple[str, list[str], str]] = [
     ("resume unknown study", ["resume", "--study", "nope"], "no study named 'nope'"),
     ("worker unknown study", ["worker", "--study", "nope"], "no study named 'nope'"),
     ("missing option", ["run", "--budget", "1GB"], "Missing option '--model'"),
+    ("worker without the study's GPUs", ["worker", "--study", CUDA_STUDY], "no CUDA GPU"),
 ]  # fmt: skip
 
 
@@ -102,6 +105,7 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real SQLite study with no trials yet, and broken inputs beside it."""
     path = tmp_path_factory.mktemp("bad_input")
     make_study(f"sqlite:///{path / 'autotune.db'}", STUDY, SMALL_SPACE, "1GB")
+    make_study(f"sqlite:///{path / 'autotune.db'}", CUDA_STUDY, SMALL_SPACE, "1GB", "cuda")
     for name, text in SPACES.items():
         (path / name).write_text(text)
     (path / "not_model.json").write_text(json.dumps({"name": "a tokenizer, not a model"}))
@@ -124,6 +128,8 @@ _HAS_GPUS = "gpus" in {p.name for p in run_cmd.params}
 def _param(case: tuple[str, list[str], str]) -> object:
     if "--gpus" in case[1] and not _HAS_GPUS:
         return pytest.param(*case[1:], id=case[0], marks=pytest.mark.skip("run has no --gpus yet"))
+    if CUDA_STUDY in case[1] and torch.cuda.is_available():
+        return pytest.param(*case[1:], id=case[0], marks=pytest.mark.skip("a GPU is visible"))
     return pytest.param(*case[1:], id=case[0])
 
 
