@@ -41,6 +41,7 @@ from autotune.space import SearchSpace
 from autotune.storage import mask_url, open_storage
 from autotune.study import (
     DEFAULT_STORAGE,
+    STRATEGIES,
     Objective,
     StudySettings,
     TrialCrashed,
@@ -89,6 +90,7 @@ def _optimize(
     trial_timeout: float,
     storage_url: str,
     worker: bool = False,
+    strategy: str = "autotune",
 ) -> None:
     settings = settings_of(study)
     runner = runner_for(
@@ -99,7 +101,9 @@ def _optimize(
     # no loss curve, so an estimate study has no reference and no loss guard.
     if not worker and settings.backend != "estimate":
         ensure_reference(study, space)
-    study.sampler = make_sampler(study, settings.seed, salt=os.getpid() if worker else 0)
+    study.sampler = make_sampler(
+        study, settings.seed, salt=os.getpid() if worker else 0, space=space, strategy=strategy
+    )
     with Progress(
         TextColumn("[bold]trials"),
         BarColumn(),
@@ -214,6 +218,13 @@ def _report(study: optuna.Study, storage_url: str) -> None:
 @click.option("--global-batch-size", type=click.IntRange(min=1), default=None)
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option(
+    "--strategy",
+    type=click.Choice(sorted(STRATEGIES)),
+    default="autotune",
+    show_default=True,
+    help="autotune: estimator-ordered, corrected by measurements (see autotune/strategy.py).",
+)
+@click.option(
     "--ladder",
     is_flag=True,
     help="Then measure the ablation ladder from the plain baseline to the winner.",
@@ -245,6 +256,7 @@ def run(
     seq_len: int | None,
     global_batch_size: int | None,
     seed: int,
+    strategy: str,
     ladder: bool,
     nproc: int | None,
     gpus: int | None,
@@ -308,6 +320,7 @@ def run(
         timeout,
         trial_timeout,
         storage,
+        strategy=strategy,
     )
     _report(study, storage)
     if gpu_target is not None:

@@ -49,6 +49,8 @@ MONOTONE_MEMORY: dict[str, Callable[[Any], float]] = {
 }
 
 
+#: system attr holding a running trial's planned configuration (seen by other workers)
+PLAN_ATTR = "autotune:plan"
 #: log-step by which an OOM's lower bound is raised until the model predicts it over budget
 OOM_STEP = math.log(1.1)
 
@@ -256,9 +258,16 @@ class AutotuneSampler(BaseSampler):
     def before_trial(self, study: optuna.Study, trial: FrozenTrial) -> None:
         if trial.system_attrs.get("fixed_params"):
             return  # an enqueued trial (the reference, a ladder step) is already decided
-        plan = self.plan(observations(study))
+        # trials other workers are running count as tried: never plan the same config twice
+        running = [
+            Observation(t.system_attrs[PLAN_ATTR], "running", 0.0, 0.0, True)
+            for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+            if PLAN_ATTR in t.system_attrs
+        ]
+        plan = self.plan([*observations(study), *running])
         if plan is not None:
             self._plans[trial.number] = plan
+            study._storage.set_trial_system_attr(trial._trial_id, PLAN_ATTR, plan)
 
     def infer_relative_search_space(
         self, study: optuna.Study, trial: FrozenTrial
@@ -303,3 +312,52 @@ def _always_bad_loss(history: Sequence[Observation]) -> set[tuple[str, str]]:
         for k, v in o.config.items():
             seen.setdefault((k, repr(v)), []).append(o.loss_ok)
     return {f for f, oks in seen.items() if not any(oks)}
+
+
+#: What a CPU "device" is to the speed prior: no published peak to trust, so every precision
+#: gets the same nominal rate and the correction learns the rest (e.g. no fast fp16 kernels).
+CPU_PSEUDO_GPU_TFLOPS = 1.0
+
+
+def analytical_predictor(
+    model_config: dict[str, Any],
+    *,
+    seq_len: int,
+    global_batch_size: int,
+    nproc: int,
+    gpu_key: str | None,
+) -> Predictor:
+    """The analytical estimator's (peak, tokens/s) for a target GPU, or a nominal CPU."""
+    from autotune.estimator.analytical import AnalyticalEstimator
+    from autotune.estimator.gpus import GpuSpec, gpu_spec
+
+    gpu = (
+        gpu_spec(gpu_key)
+        if gpu_key
+        else GpuSpec(
+            "cpu",
+            "CPU",
+            0,
+            CPU_PSEUDO_GPU_TFLOPS,
+            CPU_PSEUDO_GPU_TFLOPS,
+            CPU_PSEUDO_GPU_TFLOPS,
+            50.0,
+            50.0,
+            0.0,
+            (0, 0),
+        )
+    )
+    estimator = AnalyticalEstimator()
+
+    def predict(config: Config) -> tuple[float, float]:
+        est = estimator.estimate(
+            model_config,
+            config,
+            seq_len=seq_len,
+            global_batch_size=global_batch_size,
+            nproc=nproc,
+            gpu=gpu,
+        )
+        return float(est.peak_bytes), float(est.tokens_per_s)
+
+    return predict

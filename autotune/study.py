@@ -338,18 +338,54 @@ class Objective:
         return result.tokens_per_s, result.peak_bytes / MIB
 
 
-def make_sampler(study: optuna.Study, seed: int, salt: int = 0) -> optuna.samplers.BaseSampler:
-    """TPE with constraints; reseeded per session so a resumed study does not replay proposals.
+def _autotune_sampler(
+    study: optuna.Study, space: SearchSpace, seed: int
+) -> optuna.samplers.BaseSampler:
+    from autotune.strategy import AutotuneSampler, analytical_predictor
 
-    ``salt`` (a worker's pid) keeps workers that start together from proposing the same configs.
-    """
-    n_done = len(study.get_trials(deepcopy=False))
-    return optuna.samplers.TPESampler(
-        seed=seed + n_done + salt,
-        multivariate=True,
-        group=True,
-        n_startup_trials=6,
+    s = settings_of(study)
+    predict = analytical_predictor(
+        s.model_config,
+        seq_len=s.seq_len,
+        global_batch_size=s.global_batch_size,
+        nproc=s.nproc,
+        gpu_key=s.target_gpu or None,
     )
+    return AutotuneSampler(space.grid(), predict, s.budget_bytes, seed=seed)
+
+
+def _tpe_sampler(study: optuna.Study, space: SearchSpace, seed: int) -> optuna.samplers.BaseSampler:
+    return optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True, n_startup_trials=6)
+
+
+def _random_sampler(
+    study: optuna.Study, space: SearchSpace, seed: int
+) -> optuna.samplers.BaseSampler:
+    return optuna.samplers.RandomSampler(seed=seed)
+
+
+#: ``--strategy`` -> sampler; constraints reach every one through ``Trial.set_constraint``
+STRATEGIES: dict[str, Callable[[optuna.Study, SearchSpace, int], optuna.samplers.BaseSampler]] = {
+    "autotune": _autotune_sampler,
+    "tpe": _tpe_sampler,
+    "random": _random_sampler,
+}
+
+
+def make_sampler(
+    study: optuna.Study,
+    seed: int,
+    salt: int = 0,
+    *,
+    space: SearchSpace | None = None,
+    strategy: str = "autotune",
+) -> optuna.samplers.BaseSampler:
+    """The strategy's sampler, reseeded per session so a resumed study does not replay
+    proposals; ``salt`` (a worker's pid) keeps workers that start together apart."""
+    n_done = len(study.get_trials(deepcopy=False))
+    if space is None:
+        space = SearchSpace.from_dict(settings_of(study).space, "study")
+    return STRATEGIES[strategy](study, space, seed + n_done + salt)
 
 
 def workdir_for(study_name: str) -> Path:
