@@ -109,8 +109,15 @@ def print_selection(console: Console, sel: Selection, title: str = "trials") -> 
         )
     elif sel.closest is not None:
         c = sel.closest
+        regressed = sum(r.fits and r.loss_ok is False for r in sel.rows)
+        why = (
+            f"nothing fits {budget} without a loss regression ({regressed} fit but broke the "
+            "loss guard)"
+            if regressed
+            else f"nothing fits {budget}"
+        )
         console.print(
-            f"[bold red]nothing fits {budget}[/bold red]; closest: trial {c.number}: "
+            f"[bold red]{why}[/bold red]; closest: trial {c.number}: "
             f"{describe(c.config)} at {format_size(c.peak_bytes)}"
         )
     else:
