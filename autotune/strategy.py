@@ -12,7 +12,9 @@ grid) the sampler starts from what is cheap to know:
 3. **Monotone pruning.** If a configuration ran out of memory, the same configuration with a
    bigger micro-batch or less checkpointing would too; those are never proposed. An OOM is
    also a lower bound on the peak and enters the correction as such.
-4. **Loss.** A lossy choice whose every measured trial broke the loss guard is tried last.
+4. **Loss.** The measured loss regressions are fitted on the lossy choices (bf16, fp16, other
+   optimizers, quantization) by a ridge without bias; a configuration predicted to regress
+   beyond the tolerance is tried last. Exact techniques never regress by construction.
 5. **Choice.** Propose the untried configuration with the highest corrected speed, plus a small
    bonus for technique choices not measured yet (LinUCB: the ridge's posterior spread), among
    those whose corrected peak fits the budget; if none is predicted to fit, the smallest
@@ -25,6 +27,7 @@ storage, enqueued trials and the constraints are the same as with any other samp
 
 from __future__ import annotations
 
+import ast
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -35,6 +38,8 @@ import optuna
 from optuna.distributions import BaseDistribution
 from optuna.samplers import BaseSampler, RandomSampler
 from optuna.trial import FrozenTrial, TrialState
+
+from trials.techniques import is_exact
 
 Config = dict[str, Any]
 #: config -> (predicted peak bytes, predicted tokens/s)
@@ -49,6 +54,7 @@ MONOTONE_MEMORY: dict[str, Callable[[Any], float]] = {
 }
 
 
+LOSS_RIDGE_ALPHA = 0.1
 #: system attr holding a running trial's planned configuration (seen by other workers)
 PLAN_ATTR = "autotune:plan"
 #: log-step by which an OOM's lower bound is raised until the model predicts it over budget
@@ -81,7 +87,8 @@ class Observation:
     status: str  # ok | oom
     peak_bytes: float
     tokens_per_s: float
-    loss_ok: bool
+    #: relative loss regression against the reference (None: not measured)
+    loss_regression: float | None = None
 
 
 def observations(study: optuna.Study) -> list[Observation]:
@@ -90,14 +97,14 @@ def observations(study: optuna.Study) -> list[Observation]:
         a = t.user_attrs
         if "config" not in a or a.get("status") not in ("ok", "oom"):
             continue
-        loss_ok = t.constraints.get("loss", 0.0) <= 0 if t.constraints else True
+        regression = a.get("loss_regression")
         out.append(
             Observation(
                 a["config"],
                 a["status"],
                 float(a.get("peak_bytes") or 0.0),
                 float(a.get("tokens_per_s") or 0.0),
-                loss_ok,
+                float(regression) if regression is not None else None,
             )
         )
     return out
@@ -142,11 +149,13 @@ class AutotuneSampler(BaseSampler):
         seed: int | None = None,
         ridge_alpha: float = 1.0,
         optimism: float = 0.1,
+        loss_tolerance: float = 0.02,
     ) -> None:
         self.candidates = [dict(c) for c in candidates]
         self.budget = float(budget_bytes)
         self.ridge_alpha = ridge_alpha
         self.optimism = optimism
+        self.loss_tolerance = loss_tolerance
         self._index = {_key(c): i for i, c in enumerate(self.candidates)}
         prior = np.array([predict(c) for c in self.candidates], dtype=float).reshape(-1, 2)
         self._log_peak = np.log(np.maximum(prior[:, 0], 1.0))
@@ -155,6 +164,12 @@ class AutotuneSampler(BaseSampler):
         self._feature = {f: j for j, f in enumerate(features)}
         self._x = np.zeros((len(self.candidates), len(features) + 1), dtype=np.float32)
         self._x[:, -1] = 1.0
+        # columns of the lossy choices (bf16, other optimizers, quantization): only they can
+        # move the loss; exact techniques are the reference's numbers by construction
+        self._lossy = np.array(
+            [j for (k, v), j in self._feature.items() if not is_exact({k: ast.literal_eval(v)})],
+            dtype=int,
+        )
         for i, c in enumerate(self.candidates):
             for k, v in c.items():
                 self._x[i, self._feature[(k, repr(v))]] = 1.0
@@ -242,8 +257,20 @@ class AutotuneSampler(BaseSampler):
             + self._x @ speed_model.w
             + self.optimism * speed_model.uncertainty(self._x)
         )
-        bad = [self._feature[f] for f in _always_bad_loss(history) if f in self._feature]
-        penalty = self._x[:, bad].sum(axis=1) if bad else np.zeros(len(self.candidates))
+        # which lossy choices break the loss guard: a ridge (no bias) on the measured relative
+        # regressions, so bf16 is not blamed for what Adafactor did in the same trial
+        loss_rows = [
+            (self._index[_key(o.config)], o.loss_regression)
+            for o in history
+            if o.loss_regression is not None and _key(o.config) in self._index
+        ]
+        penalty = np.zeros(len(self.candidates))
+        if loss_rows and len(self._lossy):
+            x = self._x[[i for i, _ in loss_rows]][:, self._lossy].astype(float)
+            y = np.array([r for _, r in loss_rows])
+            w = np.linalg.solve(x.T @ x + LOSS_RIDGE_ALPHA * np.eye(x.shape[1]), x.T @ y)
+            predicted = self._x[:, self._lossy] @ w
+            penalty = (predicted > self.loss_tolerance).astype(float)
         fits = (log_peak <= log_budget) & ~done
         if fits.any():
             # fewest loss-breaking choices first, then the fastest
@@ -260,7 +287,7 @@ class AutotuneSampler(BaseSampler):
             return  # an enqueued trial (the reference, a ladder step) is already decided
         # trials other workers are running count as tried: never plan the same config twice
         running = [
-            Observation(t.system_attrs[PLAN_ATTR], "running", 0.0, 0.0, True)
+            Observation(t.system_attrs[PLAN_ATTR], "running", 0.0, 0.0)
             for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
             if PLAN_ATTR in t.system_attrs
         ]
@@ -301,17 +328,6 @@ class AutotuneSampler(BaseSampler):
         values: Sequence[float] | None,
     ) -> None:
         self._plans.pop(trial.number, None)
-
-
-def _always_bad_loss(history: Sequence[Observation]) -> set[tuple[str, str]]:
-    """(dimension, value) pairs all of whose measured trials broke the loss guard."""
-    seen: dict[tuple[str, str], list[bool]] = {}
-    for o in history:
-        if o.status != "ok":
-            continue
-        for k, v in o.config.items():
-            seen.setdefault((k, repr(v)), []).append(o.loss_ok)
-    return {f for f, oks in seen.items() if not any(oks)}
 
 
 #: What a CPU "device" is to the speed prior: no published peak to trust, so every precision

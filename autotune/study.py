@@ -351,7 +351,9 @@ def _autotune_sampler(
         nproc=s.nproc,
         gpu_key=s.target_gpu or None,
     )
-    return AutotuneSampler(space.grid(), predict, s.budget_bytes, seed=seed)
+    return AutotuneSampler(
+        space.grid(), predict, s.budget_bytes, seed=seed, loss_tolerance=s.loss_tolerance
+    )
 
 
 def _tpe_sampler(study: optuna.Study, space: SearchSpace, seed: int) -> optuna.samplers.BaseSampler:

@@ -184,7 +184,7 @@ def run_autotune(
         fits = peak <= budget
         history.append(
             Observation(
-                c, "ok" if fits else "oom", peak if fits else budget, speed if fits else 0.0, True
+                c, "ok" if fits else "oom", peak if fits else budget, speed if fits else 0.0
             )
         )
         if hit(c, truth, budget, best):

@@ -47,7 +47,7 @@ def test_finds_the_best_measured_config_in_fewer_trials_than_the_space() -> None
         plan = sampler.plan(history)
         assert plan is not None, "the whole space was proposed without reaching the best"
         r = measured[tuple(sorted(plan.items()))]
-        history.append(Observation(plan, r.status, r.peak_bytes, r.tokens_per_s, True))
+        history.append(Observation(plan, r.status, r.peak_bytes, r.tokens_per_s))
         if tuple(sorted(plan.items())) == best:
             break
     print(f"best {dict(best)} found at trial {len(history)} of {len(grid)}")

@@ -51,7 +51,7 @@ def observe(c: dict) -> Observation:
         "ok" if ok else "oom",
         peak if ok else BUDGET,
         speed if ok else 0.0,
-        loss_ok=c["optimizer"] == "adamw",
+        loss_regression=None if not ok else 0.0 if c["optimizer"] == "adamw" else 0.2,
     )
 
 
@@ -115,7 +115,8 @@ def test_drives_a_real_optuna_study_and_respects_enqueued_trials() -> None:
         trial.set_user_attr("peak_bytes", o.peak_bytes)
         trial.set_user_attr("tokens_per_s", o.tokens_per_s)
         trial.set_constraint("memory", (o.peak_bytes - BUDGET) / BUDGET if o.status == "ok" else 1)
-        trial.set_constraint("loss", 0.0 if o.loss_ok else 1.0)
+        trial.set_constraint("loss", (o.loss_regression or 0.0) - 0.02)
+        trial.set_user_attr("loss_regression", o.loss_regression)
         return o.tokens_per_s, o.peak_bytes
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -124,3 +125,17 @@ def test_drives_a_real_optuna_study_and_respects_enqueued_trials() -> None:
     assert configs[0] == reference
     assert len({tuple(sorted(c.items())) for c in configs}) == 6  # planned, never repeated
     assert configs[1] == sampler.plan([observe(configs[0])])
+
+
+def test_loss_blame_goes_to_the_lossy_choice_that_regressed() -> None:
+    sampler = AutotuneSampler(GRID, prior, 10 * BUDGET)  # everything fits: only loss matters
+    base = {"gradient_checkpointing": "off", "attention": "sdpa", "micro_batch_size": 16}
+    history = [  # bf16 only ever measured together with Adafactor, which regressed
+        Observation({**base, "precision": "bf16", "optimizer": "adafactor"}, "ok", 1e8, 1e3, 0.22),
+        Observation({**base, "precision": "fp32", "optimizer": "adafactor"}, "ok", 1e8, 1e3, 0.22),
+    ]
+    plan = sampler.plan(history)
+    assert plan is not None
+    assert plan["optimizer"] != "adafactor"
+    # 16-bit is not blamed: the prior's fastest precisions (bf16 and fp16 tie) stay first
+    assert plan["precision"] in ("bf16", "fp16")
