@@ -69,6 +69,19 @@ storage_option = click.option(
     help="Any SQLAlchemy URL (sqlite:///file.db, postgresql://user:pw@host/db); or set "
     "AUTOTUNE_STORAGE, which keeps a password out of the process list.",
 )
+trial_timeout_option = click.option(
+    "--trial-timeout",
+    type=click.FloatRange(min=1.0),
+    default=600.0,
+    show_default=True,
+    help="Seconds before a trial job is killed and marked failed.",
+)
+timeout_option = click.option(
+    "--timeout",
+    type=click.FloatRange(min=1.0),
+    default=None,
+    help="Stop starting new trials after this many seconds.",
+)
 
 
 @click.group(cls=OneLineGroup)
@@ -201,19 +214,8 @@ def _report(study: optuna.Study, storage_url: str) -> None:
     show_default=True,
     help="Allowed relative loss regression of lossy techniques vs the reference.",
 )
-@click.option(
-    "--trial-timeout",
-    type=click.FloatRange(min=1.0),
-    default=600.0,
-    show_default=True,
-    help="Seconds before a trial job is killed and marked failed.",
-)
-@click.option(
-    "--timeout",
-    type=click.FloatRange(min=1.0),
-    default=None,
-    help="Stop starting new trials after this many seconds.",
-)
+@trial_timeout_option
+@timeout_option
 @click.option("--seq-len", type=click.IntRange(min=8), default=None)
 @click.option("--global-batch-size", type=click.IntRange(min=1), default=None)
 @click.option("--seed", type=int, default=0, show_default=True)
@@ -372,8 +374,8 @@ def _cuda_available() -> bool:
     help="0 with --ladder: only the ladder.",
 )
 @storage_option
-@click.option("--trial-timeout", type=click.FloatRange(min=1.0), default=600.0, show_default=True)
-@click.option("--timeout", type=click.FloatRange(min=1.0), default=None)
+@trial_timeout_option
+@timeout_option
 @click.option("--ladder", is_flag=True, help="Then measure the missing rungs of the ladder.")
 def resume(
     study_name: str,
@@ -412,8 +414,8 @@ def resume(
     show_default=True,
     help="Trials this worker runs (the study's total is the sum over its workers).",
 )
-@click.option("--trial-timeout", type=click.FloatRange(min=1.0), default=600.0, show_default=True)
-@click.option("--timeout", type=click.FloatRange(min=1.0), default=None)
+@trial_timeout_option
+@timeout_option
 def worker(
     study_name: str, storage: str, n_trials: int, trial_timeout: float, timeout: float | None
 ) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -37,12 +38,8 @@ def _trials(db: Path) -> list[optuna.trial.FrozenTrial]:
 @pytest.fixture(scope="module")
 def study_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One small study, run once for the module: 6 trials, then resumed for 2 more."""
-    import os
-
     path = tmp_path_factory.mktemp("study")
-    old = Path.cwd()
-    os.chdir(path)
-    try:
+    with contextlib.chdir(path):
         first = cli(*RUN, "--trials", "6")
         assert first.exit_code == 0, first.output
         (path / "first.txt").write_text(first.output)
@@ -54,8 +51,6 @@ def study_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         second = cli(*RUN, "--trials", "2")
         assert second.exit_code == 0, second.output
         (path / "second.txt").write_text(second.output)
-    finally:
-        os.chdir(old)
     return path
 
 

@@ -3,9 +3,9 @@ reads it: all from one real small study of real CPU trials, run through the real
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
-import os
 from pathlib import Path
 from typing import Any
 from wsgiref.util import setup_testing_defaults
@@ -44,17 +44,13 @@ def _study(path: Path) -> optuna.Study:
 def study_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Two sampled trials (the reference first), then the ladder to the winner, then the report."""
     path = tmp_path_factory.mktemp("ladder")
-    old = Path.cwd()
-    os.chdir(path)
-    try:
+    with contextlib.chdir(path):
         ran = cli(*RUN, "--trials", "2", "--ladder")
         assert ran.exit_code == 0, ran.output
         (path / "run.txt").write_text(ran.output)
         reported = cli("report", "--out", "rep")
         assert reported.exit_code == 0, reported.output
         (path / "report.txt").write_text(reported.output)
-    finally:
-        os.chdir(old)
     return path
 
 
