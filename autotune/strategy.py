@@ -51,10 +51,19 @@ MONOTONE_MEMORY: dict[str, Callable[[Any], float]] = {
     "gradient_checkpointing": lambda v: {"full": 0.0, "selective": 1.0, "off": 2.0}[v],
     "offload_optimizer": lambda v: {"cpu": 0.0, "none": 1.0}[v],
     "offload_param": lambda v: {"cpu": 0.0, "none": 1.0}[v],
+    # ZeRO's communication buckets are preallocated buffers of that many elements
+    "reduce_bucket_size": float,
+    "allgather_bucket_size": float,
+    "overlap_comm": float,  # overlapping keeps extra buffers in flight
 }
 
 
-LOSS_RIDGE_ALPHA = 0.1
+#: ridge strength per lossy dimension for the loss-regression fit: the prior belief that a
+#: choice does not regress. bf16/fp16 mixed precision with fp32 master weights tracks the fp32
+#: loss closely (Micikevicius et al. 2018), so a regression seen together with another
+#: optimizer or quantization is blamed on that first.
+LOSS_RIDGE_ALPHA: dict[str, float] = {"precision": 1.0}
+LOSS_RIDGE_DEFAULT = 0.05
 #: system attr holding a running trial's planned configuration (seen by other workers)
 PLAN_ATTR = "autotune:plan"
 #: log-step by which an OOM's lower bound is raised until the model predicts it over budget
@@ -170,6 +179,10 @@ class AutotuneSampler(BaseSampler):
             [j for (k, v), j in self._feature.items() if not is_exact({k: ast.literal_eval(v)})],
             dtype=int,
         )
+        names = {j: k for (k, _), j in self._feature.items()}
+        self._loss_alpha = np.array(
+            [LOSS_RIDGE_ALPHA.get(names[j], LOSS_RIDGE_DEFAULT) for j in self._lossy]
+        )
         for i, c in enumerate(self.candidates):
             for k, v in c.items():
                 self._x[i, self._feature[(k, repr(v))]] = 1.0
@@ -268,7 +281,7 @@ class AutotuneSampler(BaseSampler):
         if loss_rows and len(self._lossy):
             x = self._x[[i for i, _ in loss_rows]][:, self._lossy].astype(float)
             y = np.array([r for _, r in loss_rows])
-            w = np.linalg.solve(x.T @ x + LOSS_RIDGE_ALPHA * np.eye(x.shape[1]), x.T @ y)
+            w = np.linalg.solve(x.T @ x + np.diag(self._loss_alpha), x.T @ y)
             predicted = self._x[:, self._lossy] @ w
             penalty = (predicted > self.loss_tolerance).astype(float)
         fits = (log_peak <= log_budget) & ~done
