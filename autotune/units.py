@@ -43,7 +43,8 @@ def format_size(n: float | None) -> str:
         if abs(value) < 1024 or unit == "TiB":
             if unit == "B":
                 return f"{int(value)} B"
-            return f"{value:.3g} {unit}"
+            # three significant digits, never scientific notation (1010 MiB, not 1.01e+03)
+            return f"{value:.0f} {unit}" if abs(value) >= 1000 else f"{value:.3g} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
 

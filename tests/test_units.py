@@ -30,5 +30,6 @@ def test_format_and_label() -> None:
     assert format_size(1.5 * 2**30) == "1.5 GiB"
     assert format_size(300 * 2**20) == "300 MiB"
     assert format_size(512) == "512 B"
+    assert format_size(1013 * 2**20) == "1013 MiB"
     assert budget_label("24gib") == "24GiB"
     assert budget_label("300mb") == "300MB"
