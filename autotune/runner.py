@@ -126,10 +126,17 @@ class SubprocessRunner(TrialRunner):
             except BaseException:  # Ctrl-C or the controller dying: never leave the job behind
                 kill_group(proc)
                 raise
-        if code == 0 and all(p.is_file() for p in rank_paths):
+        if all(p.is_file() for p in rank_paths):
+            # Every rank wrote its result: the measurement is complete. A crash after that (seen:
+            # a gloo/torchrun teardown abort) does not undo it; it is kept as a warning.
             result = merge_ranks([TrialResult.load(p) for p in rank_paths])
-            if result.status == "failed":
+            if result.status == "failed" or code != 0:
                 result.stderr_tail = _tail(stderr_path)
+            if code != 0:
+                result.stderr_tail = (
+                    f"warning: the job exited with {_describe_exit(code)} after writing every "
+                    f"rank's result\n{result.stderr_tail}"
+                )
             return result
         return TrialResult(
             status="failed",

@@ -18,7 +18,7 @@ class ScriptRunner(SubprocessRunner):
         self.code = code
 
     def command(self, spec_path: Path, result_path: Path) -> list[str]:
-        return [sys.executable, "-c", self.code]
+        return [sys.executable, "-c", self.code, str(spec_path), str(result_path)]
 
 
 def test_real_job_round_trip(tmp_path: Path) -> None:
@@ -48,6 +48,20 @@ def test_crash_is_failed_with_stderr_tail(tmp_path: Path) -> None:
     assert result.status == "failed"
     assert result.error == "trial job crashed: exit code 3"
     assert "about to die" in result.stderr_tail
+
+
+def test_abort_after_a_complete_result_keeps_the_result(tmp_path: Path) -> None:
+    """A teardown crash (torchrun/gloo aborts seen here) after the job wrote its result."""
+    code = (
+        "import os, sys; from trials.spec import TrialResult; "
+        "open(sys.argv[2], 'w').write(TrialResult('ok', 123, 4.5, [1.0]).to_json()); "
+        "print('terminate called without an active exception', file=sys.stderr, flush=True); "
+        "os.abort()"
+    )
+    result = ScriptRunner(tmp_path, code).run(tiny_spec({}), "t0")
+    assert result.status == "ok" and result.peak_bytes == 123 and result.losses == [1.0]
+    assert "after writing every rank's result" in result.stderr_tail
+    assert "SIGABRT" in result.stderr_tail
 
 
 def test_segfault_is_failed(tmp_path: Path) -> None:
