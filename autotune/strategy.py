@@ -70,7 +70,8 @@ PLAN_ATTR = "autotune:plan"
 OOM_STEP = math.log(1.1)
 
 
-def _key(config: Config) -> tuple[tuple[str, str], ...]:
+def config_key(config: Config) -> tuple[tuple[str, str], ...]:
+    """A hashable identity of a configuration (values by repr: 5e6 and 5000000.0 differ)."""
     return tuple(sorted((k, repr(v)) for k, v in config.items()))
 
 
@@ -165,7 +166,7 @@ class AutotuneSampler(BaseSampler):
         self.ridge_alpha = ridge_alpha
         self.optimism = optimism
         self.loss_tolerance = loss_tolerance
-        self._index = {_key(c): i for i, c in enumerate(self.candidates)}
+        self._index = {config_key(c): i for i, c in enumerate(self.candidates)}
         prior = np.array([predict(c) for c in self.candidates], dtype=float).reshape(-1, 2)
         self._log_peak = np.log(np.maximum(prior[:, 0], 1.0))
         self._log_speed = np.log(np.maximum(prior[:, 1], 1e-12))
@@ -225,11 +226,16 @@ class AutotuneSampler(BaseSampler):
         speed_y: list[float] = []
         oom_rows: list[int] = []
         oom_y: list[float] = []
+        loss_rows: list[int] = []
+        loss_y: list[float] = []
         for o in history:
-            i = self._index.get(_key(o.config))
+            i = self._index.get(config_key(o.config))
             if i is None:
                 continue
             done[i] = True
+            if o.loss_regression is not None:
+                loss_rows.append(i)
+                loss_y.append(o.loss_regression)
             if o.status == "ok" and o.peak_bytes > 0:
                 peak_rows.append(i)
                 peak_y.append(math.log(o.peak_bytes) - self._log_peak[i])
@@ -272,15 +278,10 @@ class AutotuneSampler(BaseSampler):
         )
         # which lossy choices break the loss guard: a ridge (no bias) on the measured relative
         # regressions, so bf16 is not blamed for what Adafactor did in the same trial
-        loss_rows = [
-            (self._index[_key(o.config)], o.loss_regression)
-            for o in history
-            if o.loss_regression is not None and _key(o.config) in self._index
-        ]
         penalty = np.zeros(len(self.candidates))
         if loss_rows and len(self._lossy):
-            x = self._x[[i for i, _ in loss_rows]][:, self._lossy].astype(float)
-            y = np.array([r for _, r in loss_rows])
+            x = self._x[loss_rows][:, self._lossy].astype(float)
+            y = np.array(loss_y)
             w = np.linalg.solve(x.T @ x + np.diag(self._loss_alpha), x.T @ y)
             predicted = self._x[:, self._lossy] @ w
             penalty = (predicted > self.loss_tolerance).astype(float)

@@ -38,7 +38,7 @@ from autotune.estimator.gpus import GpuSpec, gpu_spec
 from autotune.hardware import Hardware
 from autotune.models import REGISTRY
 from autotune.space import SearchSpace
-from autotune.strategy import AutotuneSampler, Observation
+from autotune.strategy import AutotuneSampler, Observation, config_key
 from autotune.units import parse_size
 
 Config = dict[str, Any]
@@ -100,10 +100,6 @@ SCENARIOS = [
 ]
 
 
-def _key(c: Config) -> tuple[tuple[str, str], ...]:
-    return tuple(sorted((k, repr(v)) for k, v in c.items()))
-
-
 def make_reality(
     grid: list[Config], prior: dict[Any, tuple[float, float]], seed: int
 ) -> dict[Any, tuple[float, float]]:
@@ -118,14 +114,14 @@ def make_reality(
 
     truth = {}
     for c in grid:
-        peak, speed = prior[_key(c)]
+        peak, speed = prior[config_key(c)]
         for k, v in sorted(c.items()):
             minor = k in MINOR
             peak *= factor("peak", k, v, 0.02 if minor else 0.10)
             speed *= factor("speed", k, v, 0.05 if minor else 0.25)
         peak *= math.exp(rng.gauss(0.0, 0.03))
         speed *= math.exp(rng.gauss(0.0, 0.05))
-        truth[_key(c)] = (peak, speed)
+        truth[config_key(c)] = (peak, speed)
     return truth
 
 
@@ -134,7 +130,7 @@ def optimum(truth: dict[Any, tuple[float, float]], budget: float) -> float:
 
 
 def hit(c: Config, truth: dict[Any, tuple[float, float]], budget: float, best: float) -> bool:
-    peak, speed = truth[_key(c)]
+    peak, speed = truth[config_key(c)]
     return peak <= budget and speed >= (1 - WITHIN) * best
 
 
@@ -160,7 +156,7 @@ def run_optuna(
     for i in range(1, cap + 1):
         trial = study.ask()
         c = space.sample(trial.suggest_categorical)  # type: ignore[arg-type]
-        peak, speed = truth[_key(c)]
+        peak, speed = truth[config_key(c)]
         fits = peak <= budget
         trial.set_constraint("memory", (peak - budget) / budget)
         trial.set_user_attr("config", c)
@@ -180,7 +176,7 @@ def run_autotune(
         c = sampler.plan(history)
         if c is None:
             return None
-        peak, speed = truth[_key(c)]
+        peak, speed = truth[config_key(c)]
         fits = peak <= budget
         history.append(
             Observation(
@@ -269,8 +265,8 @@ def main() -> None:
         t0 = time.perf_counter()
         grid, predict, budget = sc.setup()
         space = sc.space()
-        prior = {_key(c): predict(c) for c in grid}
-        autotune = AutotuneSampler(grid, lambda c, p=prior: p[_key(c)], budget)
+        prior = {config_key(c): predict(c) for c in grid}
+        autotune = AutotuneSampler(grid, lambda c, p=prior: p[config_key(c)], budget)
         cap = min(args.cap, len(grid))
         results: dict[str, list[int | None]] = {k: [] for k in names}
         for seed in range(args.seeds):
