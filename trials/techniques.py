@@ -118,8 +118,44 @@ OPTIMIZERS: dict[str, OptimizerChoice] = {
 }
 
 
+# --- fidelity classes ----------------------------------------------------------------------------
+
+#: How far a configuration's training math is from plain fp32 AdamW full training, best first.
+#: ``exact``: the same math up to float reordering (checkpointing, ZeRO, offload, attention
+#: kernels, buckets, micro-batch/accumulation at a fixed global batch); ``mixed``: 16-bit compute
+#: over fp32 master weights; ``reduced_state``: weights or optimizer state below fp32 (pure bf16,
+#: 8-bit optimizer state); ``other_optimizer``: a different update rule (Adafactor, Lion);
+#: ``adapters``: LoRA/QLoRA, a different training problem (the base weights stay frozen).
+FIDELITY_CLASSES: tuple[str, ...] = (
+    "exact",
+    "mixed",
+    "reduced_state",
+    "other_optimizer",
+    "adapters",
+)
+
+#: Per choice, the class it puts a configuration in (choices not listed are exact).
+_FIDELITY_OF_CHOICE: dict[tuple[str, str], str] = {
+    ("precision", "bf16"): "mixed",
+    ("precision", "fp16"): "mixed",
+    ("optimizer", "adamw_8bit"): "reduced_state",
+    ("optimizer", "adafactor"): "other_optimizer",
+    ("optimizer", "lion"): "other_optimizer",
+    ("quantization", "int8"): "adapters",
+    ("quantization", "nf4"): "adapters",
+    ("quantization", "lora"): "adapters",
+}
+
+
+def fidelity_class(config: dict[str, Any]) -> str:
+    """The worst (latest in ``FIDELITY_CLASSES``) class among the config's choices."""
+    worst = 0
+    for (dimension, choice), cls in _FIDELITY_OF_CHOICE.items():
+        if str(config.get(dimension)) == choice:
+            worst = max(worst, FIDELITY_CLASSES.index(cls))
+    return FIDELITY_CLASSES[worst]
+
+
 def is_exact(config: dict[str, Any]) -> bool:
     """True when the config only uses techniques that must reproduce the reference loss."""
-    precision = PRECISIONS[config.get("precision", "fp32")]
-    optimizer = OPTIMIZERS[config.get("optimizer", "adamw")]
-    return not (precision.lossy or optimizer.lossy or config.get("quantization", "none") != "none")
+    return fidelity_class(config) == "exact"
