@@ -10,7 +10,6 @@ from typing import Any
 
 import click
 import optuna
-import yaml
 from rich.console import Console
 from rich.table import Table
 
@@ -26,6 +25,7 @@ from autotune.runner import TrialRunner
 from autotune.space import SearchSpace
 from autotune.study import StudySettings
 from autotune.units import format_size, parse_size
+from autotune.yaml_limits import load_yaml, parse_yaml
 
 ESTIMATE_SPACE = "estimate.yaml"
 #: trials of an estimate study: each is instant, so many more than real ones
@@ -52,7 +52,7 @@ def estimate_space() -> SearchSpace:
     from importlib import resources
 
     text = resources.files("search_spaces").joinpath(ESTIMATE_SPACE).read_text()
-    return SearchSpace.from_dict(yaml.safe_load(text), ESTIMATE_SPACE)
+    return SearchSpace.from_dict(parse_yaml(text, ESTIMATE_SPACE), ESTIMATE_SPACE)
 
 
 def runner_for(settings: StudySettings, real: TrialRunner) -> TrialRunner:
@@ -125,13 +125,7 @@ def confirm_winner(study: optuna.Study, settings: StudySettings, console: Consol
 
 
 def _load_config(path: str) -> dict[str, Any]:
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"config file not found: {path}")
-    try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError:
-        raise UserError(f"config file {path} is not valid YAML/JSON") from None
+    data = load_yaml(Path(path), "config")
     if not isinstance(data, dict):
         raise UserError(f"config file {path} must be a mapping of dimension: choice")
     if isinstance(data.get("config"), dict):  # a trial exported by `autotune show --json`
