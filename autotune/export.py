@@ -16,6 +16,7 @@ import yaml
 
 from autotune.errors import UserError
 from autotune.study import StudySettings
+from autotune.terminal import printable
 from trials import zero
 from trials.techniques import OPTIMIZERS
 
@@ -195,7 +196,8 @@ def _render_command(config: dict[str, Any], settings: StudySettings, out: Path) 
     command = " ".join(shlex.quote(part) for part in launch_command(config, settings, out))
     return (
         "#!/usr/bin/env bash\n"
-        f"# autotune winner for {settings.model} within {settings.budget_label}; "
+        # the model name is a user's file name: on one line, so it stays inside the comment
+        f"# autotune winner for {printable(settings.model)} within {settings.budget_label}; "
         "train.py: your Hugging Face Trainer script (HfArgumentParser reads these flags)\n"
         f'{command} "$@"\n'
     )
