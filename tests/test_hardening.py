@@ -134,10 +134,11 @@ print("joined", study.study_name, sorted(study.user_attrs["settings"])[0])
 def _race(url: str, n: int, cwd: Path) -> list[subprocess.CompletedProcess[str]]:
     """``n`` processes open the same new database and create the same study at one instant."""
     start = time.time() + 8  # after every interpreter has imported optuna and torch
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-c", RACER, url, str(start)]
     procs = [
-        subprocess.Popen([sys.executable, "-c", RACER, url, str(start)], cwd=cwd, text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+        subprocess.Popen(command, cwd=cwd, text=True, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
         for _ in range(n)
     ]
     done = []
