@@ -262,21 +262,33 @@ def test_trainer_consistency_check_passes_and_fills_untuned(
     """transformers compares every DeepSpeed value it shares with TrainingArguments (batch,
     accumulation, clipping, precision, optimizer lr/weight decay) and refuses mismatches; what
     the study did not tune is "auto" and takes the Trainer's defaults."""
-    from transformers import TrainingArguments
 
     files = export_all(tmp_path, name)
     hf = json.loads(files["hf"].read_text())
-    args = TrainingArguments(**hf, output_dir=str(tmp_path / "o"))  # raises on any mismatch
-    filled = args.hf_deepspeed_config.config
-    assert filled["gradient_clipping"] == args.max_grad_norm == 0.0
+    filled = _trainer_checked(hf, tmp_path)
+    assert filled["gradient_clipping"] == hf["max_grad_norm"] == 0.0
     assert filled["train_batch_size"] == GLOBAL_BATCH
     if "optimizer" in filled:
-        assert filled["optimizer"]["params"]["lr"] == args.learning_rate == HF_DEFAULT_LR
-        assert filled["optimizer"]["params"]["weight_decay"] == args.weight_decay == 0.0
+        assert filled["optimizer"]["params"]["lr"] == HF_DEFAULT_LR
+        assert filled["optimizer"]["params"]["weight_decay"] == 0.0  # TrainingArguments' default
+    # the check does refuse: without max_grad_norm the Trainer's default (1.0) would clip
+    with pytest.raises(ValueError, match="gradient_clipping"):
+        _trainer_checked({k: v for k, v in hf.items() if k != "max_grad_norm"}, tmp_path)
+
+
+def _trainer_checked(hf: dict[str, Any], tmp_path: Path) -> dict[str, Any]:
+    """transformers' own DeepSpeed/TrainingArguments reconciliation, as ``Trainer`` runs it
+    (fill "auto", then raise on any mismatch); returns the DeepSpeed config it would use."""
+    from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+
+    args = TrainingArguments(**hf, output_dir=str(tmp_path / "o"))
+    hf_ds = args.hf_deepspeed_config
+    hf_ds.trainer_config_process(args)
+    hf_ds.trainer_config_finalize(args, LlamaForCausalLM(LlamaConfig(**TINY)), 10)
+    return dict(hf_ds.config)
 
 
 def test_user_flags_set_what_the_study_did_not_tune(at_studies: Path, tmp_path: Path) -> None:
-    from transformers import TrainingArguments
 
     files = export_all(tmp_path, "zero2_offload_bf16", "--lr", "2e-4", "--weight-decay", "0.1")
     hf = json.loads(files["hf"].read_text())
@@ -284,8 +296,7 @@ def test_user_flags_set_what_the_study_did_not_tune(at_studies: Path, tmp_path: 
     ds = json.loads(files["deepspeed"].read_text())
     assert ds["optimizer"]["params"]["lr"] == 2e-4
     assert ds["optimizer"]["params"]["weight_decay"] == 0.1
-    args = TrainingArguments(**hf, output_dir=str(tmp_path / "o"))  # still consistent
-    assert args.hf_deepspeed_config.config["optimizer"]["params"]["lr"] == 2e-4
+    assert _trainer_checked(hf, tmp_path)["optimizer"]["params"]["lr"] == 2e-4  # consistent
     assert yaml.safe_load(files["axolotl"].read_text())["learning_rate"] == 2e-4
     assert "--learning_rate 0.0002" in files["command"].read_text()
 
