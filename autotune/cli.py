@@ -34,7 +34,7 @@ from autotune.estimate_cli import (
     target_gpu,
 )
 from autotune.estimator.gpus import gpu_spec
-from autotune.export import EXPORTERS, export
+from autotune.export import EXPORTERS, UserSettings, export, measured_on
 from autotune.hardware import Hardware
 from autotune.ladder import ladder_cells, run_ladder
 from autotune.masking import mask_url, url_secrets
@@ -584,8 +584,27 @@ def report(study_name: str | None, storage: str, out: Path) -> None:
 @storage_option
 @click.option("--format", "fmt", required=True, help=f"One of: {', '.join(EXPORTERS)}.")
 @click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path))
-def export_cmd(study_name: str | None, storage: str, fmt: str, out: Path) -> None:
-    """Write the winner as a DeepSpeed, Hugging Face or accelerate config."""
+@click.option(
+    "--lr",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="Learning rate to write (not tuned by the study; default: left to your trainer).",
+)
+@click.option(
+    "--weight-decay",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Weight decay to write (not tuned by the study; default: left to your trainer).",
+)
+def export_cmd(
+    study_name: str | None,
+    storage: str,
+    fmt: str,
+    out: Path,
+    lr: float | None,
+    weight_decay: float | None,
+) -> None:
+    """Write the winner as a DeepSpeed, Hugging Face, accelerate, axolotl config or a command."""
     if fmt not in EXPORTERS:
         raise UserError(f"unknown export format '{fmt}' (known: {', '.join(EXPORTERS)})")
     if not out.parent.is_dir():
@@ -599,8 +618,10 @@ def export_cmd(study_name: str | None, storage: str, fmt: str, out: Path) -> Non
         )
     settings = settings_of(study)
     with _writing(out):
-        path = export(fmt, sel.winner.config, settings, out)
+        path = export(fmt, sel.winner.config, settings, out, UserSettings(lr, weight_decay))
     console.print(f"wrote {fmt} config of trial {sel.winner.number} to {path}", markup=False)
+    if settings.backend == "cpu":
+        console.print(measured_on(settings), style="yellow", markup=False)
     if settings.backend == "estimate":
         gpu = gpu_spec(settings.target_gpu).name
         console.print(f"[yellow]predicted for {gpu}, not measured[/yellow]: run it there first")
