@@ -139,9 +139,7 @@ def _optimize(
         objective.on_result = on_result
         try:
             with _terminate_as_interrupt():
-                study.optimize(
-                    objective, n_trials=n_trials, timeout=timeout, catch=(TrialCrashed,)
-                )
+                study.optimize(objective, n_trials=n_trials, timeout=timeout, catch=(TrialCrashed,))
         except KeyboardInterrupt:
             progress.stop()
             err_console.print(
