@@ -21,12 +21,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from autotune.display import describe, ladder_table, print_selection
 from autotune.errors import OneLineGroup, UserError
 from autotune.estimate_cli import (
-    ESTIMATE_TRIALS,
     banner,
     confirm_winner,
     estimate_cmd,
     estimate_space,
     hardware_for,
+    host_budget,
+    queue_class_bests,
     runner_for,
     target_gpu,
 )
@@ -185,7 +186,8 @@ def _report(study: optuna.Study, storage_url: str) -> None:
     "n_trials",
     type=click.IntRange(min=1),
     default=None,
-    help=f"Default 12 (--backend estimate: {ESTIMATE_TRIALS}).",
+    help="Default 12 (--backend estimate: every configuration is scored and the best of each "
+    "fidelity class recorded as a trial).",
 )
 @storage_option
 @click.option("--study-name", default=None, help="Default: <model>-<budget>-<backend>.")
@@ -241,6 +243,12 @@ def _report(study: optuna.Study, storage_url: str) -> None:
     default=None,
     help="CUDA: run each trial on N GPUs (torchrun, nccl); the budget is per GPU.",
 )
+@click.option(
+    "--host-memory",
+    default=None,
+    help="Host RAM a trial may use, e.g. 128GB (default: this machine's memory; --backend "
+    "estimate: unlimited, always shown).",
+)
 def run(
     model: str,
     budget: str,
@@ -260,9 +268,11 @@ def run(
     ladder: bool,
     nproc: int | None,
     gpus: int | None,
+    host_memory: str | None,
 ) -> None:
     """Run (or continue) a study of real training trials (or of predictions, without a GPU)."""
     budget_bytes = parse_size(budget)
+    host_limit = parse_size(host_memory) if host_memory else None
     entry = resolve_model(model)
     space = SearchSpace.load(space_path)
     hardware = Hardware.detect(None if backend in ("auto", "estimate") else backend)
@@ -278,14 +288,12 @@ def run(
         if space_path is None:
             space = estimate_space()
         hardware = hardware_for(gpu_target)
-        n_trials = n_trials or ESTIMATE_TRIALS
     elif hardware.backend == "cpu" and entry.n_params > MAX_CPU_TRIAL_PARAMS:
         raise UserError(
             f"{entry.name} has {entry.n_params / 1e9:.1f}B parameters: too big for real CPU "
             "trials on this machine; use a GPU (--backend cuda), --backend estimate, or a "
             "small model"
         )
-    n_trials = n_trials or 12
     ranks = _ranks(nproc, gpus, hardware) if gpu_target is None else 1
     gbs = global_batch_size or entry.global_batch_size
     resolved = space.resolve(gbs, hardware)
@@ -302,12 +310,18 @@ def run(
         loss_tolerance=loss_tolerance,
         seed=seed,
         nproc=ranks,
+        host_budget_bytes=host_limit or (0 if gpu_target else host_budget(None, "cpu") or 0),
     )
     name = study_name or settings.default_study_name()
     study = create_or_load(open_storage(storage), name, settings)
     where = f"on {gpu_target.name}" if gpu_target else "here"
     for line in resolved.dropped:
         console.print(f"[dim]unavailable {where}: {line}[/dim]")
+    per_class = None
+    if gpu_target is not None:  # every configuration scored; each class's best is a trial
+        per_class, queued = queue_class_bests(study, console)
+        n_trials = max(n_trials or 0, queued)
+    n_trials = n_trials or 12
     console.print(
         f"study '{name}': {entry.name} ({entry.n_params / 1e6:,.1f}M params), budget "
         f"{format_size(budget_bytes)}, backend {settings.backend}, "
@@ -323,8 +337,8 @@ def run(
         strategy=strategy,
     )
     _report(study, storage)
-    if gpu_target is not None:
-        confirm_winner(study, settings_of(study), console)
+    if gpu_target is not None and per_class is not None:
+        confirm_winner(study, settings_of(study), console, per_class)
     if ladder:
         _climb(study, trial_timeout, storage)
 

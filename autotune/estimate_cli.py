@@ -30,8 +30,6 @@ from autotune.study import StudySettings
 from autotune.units import format_size, parse_size
 
 ESTIMATE_SPACE = "estimate.yaml"
-#: trials of an estimate study: each is instant, so many more than real ones
-ESTIMATE_TRIALS = 60
 PRESCREEN_MARGIN = 0.25
 
 
@@ -134,36 +132,88 @@ def class_lines(per_class: dict[str, ClassBest], budget: int) -> list[str]:
     return lines
 
 
-def confirm_winner(study: optuna.Study, settings: StudySettings, console: Console) -> None:
-    """After an estimate study: the winner's traced breakdown next to the analytical one."""
-    from autotune.display import describe
-    from autotune.selector import select
+def class_scores(settings: StudySettings) -> dict[str, ClassBest]:
+    """Every configuration of the study's space scored; the best of each fidelity class."""
+    space = SearchSpace.from_dict(settings.space, "study")
+    scored = score(
+        settings.model_config,
+        space.grid(),
+        seq_len=settings.seq_len,
+        global_batch_size=settings.global_batch_size,
+        nproc=settings.nproc,
+        gpu=gpu_spec(settings.target_gpu),
+        budget_bytes=settings.budget_bytes,
+        host_budget_bytes=settings.host_budget_bytes or None,
+    )
+    return best_per_class(scored)
 
-    sel = select(study)
-    if sel.winner is None:
-        return
+
+def queue_class_bests(study: optuna.Study, console: Console) -> tuple[dict[str, ClassBest], int]:
+    """Score the whole space and queue each class's best (not yet in the study) as a trial, so
+    that ``show``, ``report`` and ``export`` see them; returns the classes and how many."""
+    import time
+
+    from autotune.study import settings_of
+
+    t0 = time.perf_counter()
+    settings = settings_of(study)
+    per_class = class_scores(settings)
+    space = SearchSpace.from_dict(settings.space, "study")
+    done = [t.user_attrs.get("config") for t in study.get_trials(deepcopy=False)]
+    queued = 0
+    for cb in per_class.values():
+        if cb.best.config not in done:
+            study.enqueue_trial(space.params_for(cb.best.config), user_attrs={"role": "class-best"})
+            queued += 1
+    n = len(space.grid())
+    console.print(
+        f"every configuration of the space scored ({n:,}, {time.perf_counter() - t0:.1f} s): "
+        f"the best of each of {len(per_class)} fidelity classes is recorded"
+    )
+    return per_class, queued
+
+
+def confirm_winner(
+    study: optuna.Study,
+    settings: StudySettings,
+    console: Console,
+    per_class: dict[str, ClassBest],
+) -> None:
+    """After an estimate study: the best per fidelity class, and the answer - the best full
+    training (exact or mixed precision) - with its traced breakdown next to the analytical one."""
+    from autotune.display import describe
+
     gpu = gpu_spec(settings.target_gpu)
+    budget = settings.budget_bytes
+    console.print(f"best per fidelity class (speeds within {MODEL_ERROR:.0%} are ties):")
+    for line in class_lines(per_class, budget):
+        console.print(line)
+    head = headline(per_class)
+    if head is None:
+        console.print("[yellow]no full-training (exact or mixed) configuration fits[/yellow]")
+        return
     kw: dict[str, Any] = {
         "seq_len": settings.seq_len,
         "global_batch_size": settings.global_batch_size,
         "nproc": settings.nproc,
         "gpu": gpu,
     }
-    config = sel.winner.config
-    an = AnalyticalEstimator().estimate(settings.model_config, config, **kw)
+    config = head.best.config
+    an = head.best.estimate
     tr = TracedEstimator().estimate(settings.model_config, config, **kw)
+    console.print(breakdown_table([("analytical", an), ("traced", tr)], budget, head.cls))
     console.print(
-        breakdown_table(
-            [("analytical", an), ("traced", tr)],
-            settings.budget_bytes,
-            f"trial {sel.winner.number}",
+        f"[bold green]predicted best for {gpu.name}[/bold green] (full training, {head.cls}): "
+        f"{describe(config)}: peak {format_size(tr.peak_bytes)} (traced; analytical "
+        f"{format_size(an.peak_bytes)}) of {format_size(budget)}, host memory "
+        f"{format_size(an.host_bytes)}, {an.tokens_per_s:,.0f} tokens/s"
+    )
+    if "adapters" in per_class:
+        a = per_class["adapters"].best
+        console.print(
+            f"adapters (a different training problem: frozen base weights): {describe(a.config)}:"
+            f" peak {format_size(a.estimate.peak_bytes)}, {a.estimate.tokens_per_s:,.0f} tokens/s"
         )
-    )
-    console.print(
-        f"[bold green]predicted best for {gpu.name}[/bold green]: {describe(config)}: "
-        f"peak {format_size(tr.peak_bytes)} (traced; analytical {format_size(an.peak_bytes)}) "
-        f"of {format_size(settings.budget_bytes)}, {tr.tokens_per_s:,.0f} tokens/s"
-    )
     for note in tr.notes:
         console.print(f"[dim]{note}[/dim]")
 

@@ -266,21 +266,27 @@ def _transformers_config(cfg: dict[str, Any], source: str) -> Any:
         raise UserError(
             f"{source}: model_type '{model_type}' is not a causal LM transformers can build{hint}"
         )
-    args = {k: v for k, v in cfg.items() if k != "model_type"}
-    try:
-        config = AutoConfig.for_model(model_type, **args)
-    except (ValueError, TypeError, KeyError) as exc:
-        raise UserError(f"{source}: invalid {model_type} config: {exc}".splitlines()[0]) from None
-    aliases = getattr(config, "attribute_map", {})  # normalised name -> the family's own key
+    from transformers import CONFIG_MAPPING
+
+    aliases = getattr(CONFIG_MAPPING[model_type], "attribute_map", {})  # name -> family's key
     missing = [k for k in SIZE_KEYS if k not in cfg and aliases.get(k, k) not in cfg]
     if missing:
         raise UserError(f"{source} is not a causal-LM model config: missing {', '.join(missing)}")
     for key in (*SIZE_KEYS, *OPTIONAL_SIZE_KEYS):
-        value = getattr(config, key, None)
-        if key not in SIZE_KEYS and value is None:
+        raw = aliases.get(key, key)
+        if raw not in cfg and key not in cfg:
+            continue
+        value = cfg.get(raw, cfg.get(key))
+        if value is None and key not in SIZE_KEYS:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise UserError(f"{source}: {key} must be a positive integer (got {value!r})")
+    args = {k: v for k, v in cfg.items() if k != "model_type"}
+    try:
+        config = AutoConfig.for_model(model_type, **args)
+    except Exception as exc:  # transformers' own validation: strict dataclass fields and more
+        text = " ".join(str(exc).split())
+        raise UserError(f"{source}: invalid {model_type} config: {text}"[:300]) from None
     return config
 
 

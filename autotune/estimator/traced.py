@@ -34,6 +34,7 @@ from autotune.estimator.base import PARTS, Estimate, Estimator
 from autotune.estimator.gpus import GpuSpec
 from autotune.estimator.speed import roofline
 from autotune.estimator.states import model_states, uses_deepspeed
+from autotune.models import stats_of
 from trials.techniques import CHECKPOINTING, OPTIMIZERS, PRECISIONS
 
 CACHE_VERSION = 2
@@ -332,6 +333,17 @@ class TracedEstimator(Estimator):
     ) -> Estimate:
         parts = self.traced_parts(model_config, config, seq_len, global_batch_size)
         notes: list[str] = []
+        st = stats_of(model_config)
+        if st.experts:
+            notes.append(
+                f"MoE routing traced as balanced ({st.top_k} of {st.experts} experts per token, "
+                "each expert given tokens x top_k / experts): fake tensors cannot route"
+            )
+        if str(config.get("attention")) in TRACED_ATTENTION:
+            notes.append(
+                f"{config['attention']} (CUDA only) traced as "
+                f"{TRACED_ATTENTION[str(config['attention'])]}, which keeps the same tensors"
+            )
         breakdown = {k: parts.get(k, 0) for k in PARTS}
         peak = parts["peak"]
         states = model_states(model_config, config, nproc)
