@@ -18,7 +18,7 @@ import optuna
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from autotune.display import describe, ladder_table, print_selection
+from autotune.display import describe, ladder_table, print_selection, results_table
 from autotune.errors import OneLineGroup, UserError
 from autotune.estimate_cli import (
     banner,
@@ -173,8 +173,11 @@ def _report(study: optuna.Study, storage_url: str) -> None:
     settings = settings_of(study)
     title = f"study {study.study_name}"
     if settings.backend == "estimate":
+        # the answer per fidelity class follows (``confirm_winner``): the table only here
         title += f": predicted for {gpu_spec(settings.target_gpu).name}, not measured"
-    print_selection(console, sel, title=title)
+        console.print(results_table(sel, title))
+    else:
+        print_selection(console, sel, title=title)
     console.print(f"stored in {mask_url(storage_url)} as study '{study.study_name}'")
 
 

@@ -49,7 +49,7 @@ from autotune.models import ModelStats, stats_of
 #: fraction of the dense tensor-core (or fp32) peak that training's GEMMs reach, per GPU
 #: generation (CUDA major: 7 Volta, 8 Ampere/Ada, 9 Hopper), fitted to the published figures of
 #: benchmarks/speed_calibration.py: Hopper's higher peak is reached less of the time
-MATMUL_EFFICIENCY = {7: 0.30, 8: 0.72, 9: 0.52}
+MATMUL_EFFICIENCY = {7: 0.30, 8: 0.72, 9: 0.44}
 DEFAULT_MATMUL_EFFICIENCY = 0.6
 #: fraction of the datasheet bandwidths reached by memory-bound kernels and by NCCL rings
 HBM_EFFICIENCY = 0.75
