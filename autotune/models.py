@@ -68,7 +68,12 @@ def _entry(name: str, cfg: dict[str, Any], description: str, seq: int = 2048) ->
 LLAMA2_7B = _llama(32000, 4096, 11008, 32, 32)
 LLAMA2_13B = _llama(32000, 5120, 13824, 40, 40)
 LLAMA2_70B = _llama(32000, 8192, 28672, 80, 64, kv_heads=8)
-LLAMA3: dict[str, Any] = {"rope_theta": 500000.0, "max_pos": 8192, "bos_token_id": 128000, "eos_token_id": 128001}
+LLAMA3: dict[str, Any] = {
+    "rope_theta": 500000.0,
+    "max_pos": 8192,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+}
 
 REGISTRY: dict[str, ModelEntry] = {
     e.name: e

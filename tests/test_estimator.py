@@ -93,6 +93,8 @@ def test_traced_matches_a_real_measured_cpu_trial(extra: dict, tmp_path: Path) -
     spec = tiny_spec(extra)
     measured = run_trial(spec)
     assert measured.status == "ok"
+    # the job's peak resident set: at least the tracked tensors (the CPU plays the device here)
+    assert measured.host_peak_bytes > measured.peak_bytes
     traced = TracedEstimator(cache=tmp_path).estimate(
         TINY, spec.config, seq_len=spec.seq_len, global_batch_size=spec.global_batch_size
     )
