@@ -174,3 +174,11 @@ def test_cli_estimate_llama7b_with_a_zero_config(
     result = cli("estimate", "--model", "llama-7b", "--budget", "24GB", "--config", str(cfg))
     assert result.exit_code == 0, result.output
     assert "traced" in result.output and "host memory" in result.output
+
+
+def test_gemma2_traces_with_eager_where_transformers_refuses_sdpa(tmp_path: Path) -> None:
+    est = TracedEstimator(cache=tmp_path).estimate(
+        FAMILIES["gemma2"], {**BASE, "precision": "bf16"}, **KW
+    )
+    assert est.peak_bytes > 0
+    assert any("traced with eager attention" in note for note in est.notes)

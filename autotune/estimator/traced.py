@@ -37,7 +37,7 @@ from autotune.estimator.states import model_states, uses_deepspeed
 from autotune.models import stats_of
 from trials.techniques import CHECKPOINTING, OPTIMIZERS, PRECISIONS
 
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 #: kernels that can't be built here, traced as one that keeps the same tensors for backward
 #: (flash-attn and sdpa's flash kernel both keep q, k, v, the output and the log-sum-exp)
 TRACED_ATTENTION = {"flash_attention_2": "sdpa"}
@@ -232,8 +232,15 @@ def trace_step(
             # CUDA's fused kernels apply attention dropout inside (no mask kept); the CPU's
             # sdpa would fall back to its math path and keep the s x s probabilities
             traced_cfg.update({key: 0.0 for key in ATTENTION_DROPOUT_KEYS})
+        fallback = 0
         with _default_dtype(dtype):
-            model = build_model(traced_cfg, TRACED_ATTENTION.get(attention, attention), 0)
+            try:
+                model = build_model(traced_cfg, TRACED_ATTENTION.get(attention, attention), 0)
+            except ValueError as exc:  # e.g. Gemma2 refuses sdpa in transformers 5
+                if "attention implementation" not in str(exc):
+                    raise
+                model = build_model(traced_cfg, "eager", 0)
+                fallback = 1
         balance_experts(model, model_config)
         model.train()
         CHECKPOINTING[str(config.get("gradient_checkpointing", "off"))](model, config)
@@ -275,6 +282,7 @@ def trace_step(
         del model, optimizer
     parts = {k: max(0, tracker.at_peak.get(k, 0)) for k in PARTS}
     parts["peak"] = tracker.peak
+    parts["eager_fallback"] = fallback
     return parts
 
 
@@ -339,7 +347,12 @@ class TracedEstimator(Estimator):
                 f"MoE routing traced as balanced ({st.top_k} of {st.experts} experts per token, "
                 "each expert given tokens x top_k / experts): fake tensors cannot route"
             )
-        if str(config.get("attention")) in TRACED_ATTENTION:
+        if parts.get("eager_fallback"):
+            notes.append(
+                f"transformers cannot build this model with {config.get('attention')}: traced "
+                "with eager attention (s x s scores kept)"
+            )
+        elif str(config.get("attention")) in TRACED_ATTENTION:
             notes.append(
                 f"{config['attention']} (CUDA only) traced as "
                 f"{TRACED_ATTENTION[str(config['attention'])]}, which keeps the same tensors"
