@@ -21,15 +21,16 @@ from click.core import ParameterSource
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from autotune.display import describe, ladder_table, print_selection
+from autotune.display import describe, ladder_table, print_selection, results_table
 from autotune.errors import EnvironmentFailure, OneLineGroup, UserError
 from autotune.estimate_cli import (
-    ESTIMATE_TRIALS,
     banner,
     confirm_winner,
     estimate_cmd,
     estimate_space,
     hardware_for,
+    host_budget,
+    queue_class_bests,
     runner_for,
     target_gpu,
 )
@@ -162,9 +163,7 @@ def _optimize(
         objective.on_result = on_result
         try:
             with _terminate_as_interrupt():
-                study.optimize(
-                    objective, n_trials=n_trials, timeout=timeout, catch=(TrialCrashed,)
-                )
+                study.optimize(objective, n_trials=n_trials, timeout=timeout, catch=(TrialCrashed,))
         except KeyboardInterrupt:
             progress.stop()
             # plain echo, not rich: the command must stay one line, exactly as printed
@@ -214,8 +213,11 @@ def _report(study: optuna.Study, storage_url: str) -> None:
     settings = settings_of(study)
     title = f"study {escape(study.study_name)}"
     if settings.backend == "estimate":
+        # the answer per fidelity class follows (``confirm_winner``): the table only here
         title += f": predicted for {gpu_spec(settings.target_gpu).name}, not measured"
-    print_selection(console, sel, title=title)
+        console.print(results_table(sel, title))
+    else:
+        print_selection(console, sel, title=title)
     console.print(
         f"stored in {mask_url(storage_url)} as study '{study.study_name}'", markup=False
     )
@@ -229,7 +231,8 @@ def _report(study: optuna.Study, storage_url: str) -> None:
     "n_trials",
     type=click.IntRange(min=1),
     default=None,
-    help=f"Default 12 (--backend estimate: {ESTIMATE_TRIALS}).",
+    help="Default 12 (--backend estimate: every configuration is scored and the best of each "
+    "fidelity class recorded as a trial).",
 )
 @storage_option
 @click.option("--study-name", default=None, help="Default: <model>-<budget>-<backend>.")
@@ -285,6 +288,12 @@ def _report(study: optuna.Study, storage_url: str) -> None:
     default=None,
     help="CUDA: run each trial on N GPUs (torchrun, nccl); the budget is per GPU.",
 )
+@click.option(
+    "--host-memory",
+    default=None,
+    help="Host RAM a trial may use, e.g. 128GB (default: this machine's memory; --backend "
+    "estimate: unlimited, always shown).",
+)
 def run(
     model: str,
     budget: str,
@@ -304,11 +313,13 @@ def run(
     ladder: bool,
     nproc: int | None,
     gpus: int | None,
+    host_memory: str | None,
 ) -> None:
     """Run (or continue) a study of real training trials (or of predictions, without a GPU)."""
     budget_bytes = parse_size(budget)
     if study_name is not None:
         _check_study_name(study_name)
+    host_limit = parse_size(host_memory) if host_memory else None
     entry = resolve_model(model)
     _check_seq_len(seq_len, entry.config, entry.name)
     space = SearchSpace.load(space_path)
@@ -327,14 +338,12 @@ def run(
         if space_path is None:
             space = estimate_space()
         hardware = hardware_for(gpu_target)
-        n_trials = n_trials or ESTIMATE_TRIALS
     elif hardware.backend == "cpu" and entry.n_params > MAX_CPU_TRIAL_PARAMS:
         raise UserError(
             f"{entry.name} has {entry.n_params / 1e9:.1f}B parameters: too big for real CPU "
             "trials on this machine; use a GPU (--backend cuda), --backend estimate, or a "
             "small model"
         )
-    n_trials = n_trials or 12
     ranks = _ranks(nproc, gpus, hardware) if gpu_target is None else 1
     gbs = global_batch_size or entry.global_batch_size
     resolved = space.resolve(gbs, hardware)
@@ -351,6 +360,7 @@ def run(
         loss_tolerance=loss_tolerance,
         seed=seed,
         nproc=ranks,
+        host_budget_bytes=host_limit or (0 if gpu_target else host_budget(None, "cpu") or 0),
     )
     name = study_name or settings.default_study_name()
     _check_study_name(name)
@@ -369,6 +379,11 @@ def run(
     where = f"on {gpu_target.name}" if gpu_target else "here"
     for line in resolved.dropped:
         console.print(f"unavailable {where}: {line}", style="dim", markup=False)
+    per_class = None
+    if gpu_target is not None:  # every configuration scored; each class's best is a trial
+        per_class, queued = queue_class_bests(study, console)
+        n_trials = max(n_trials or 0, queued)
+    n_trials = n_trials or 12
     console.print(
         f"study '{name}': {entry.name} ({entry.n_params / 1e6:,.1f}M params), budget "
         f"{format_size(budget_bytes)}, backend {settings.backend}, "
@@ -385,8 +400,8 @@ def run(
         strategy=strategy,
     )
     _report(study, storage)
-    if gpu_target is not None:
-        confirm_winner(study, settings_of(study), console)
+    if gpu_target is not None and per_class is not None:
+        confirm_winner(study, settings_of(study), console, per_class)
     if ladder:
         _climb(study, trial_timeout, storage)
 

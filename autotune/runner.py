@@ -161,6 +161,7 @@ def merge_ranks(results: list[TrialResult]) -> TrialResult:
                 error=bad[0].error,
                 wall_s=max(r.wall_s for r in results),
                 rank_peaks=[r.peak_bytes for r in results],
+                host_peak_bytes=sum(r.host_peak_bytes for r in results),
             )
     steps = min(len(r.losses) for r in results)
     return TrialResult(
@@ -171,4 +172,5 @@ def merge_ranks(results: list[TrialResult]) -> TrialResult:
         wall_s=max(r.wall_s for r in results),
         memory_breakdown=worst.memory_breakdown,
         rank_peaks=[r.peak_bytes for r in results],
+        host_peak_bytes=sum(r.host_peak_bytes for r in results),  # the ranks share one host
     )

@@ -52,6 +52,7 @@ class StudySettings:
     lr: float = 3e-3
     nproc: int = 1
     target_gpu: str = ""  # backend "estimate": the GPU the predictions are for (gpus.GPUS key)
+    host_budget_bytes: int = 0  # host RAM a trial may use (--host-memory); 0: unlimited
     #: keys that must match to add trials to an existing study
     identity: tuple[str, ...] = field(
         default=(
@@ -93,6 +94,7 @@ class StudySettings:
             seed=self.seed,
             lr=self.lr,
             nproc=self.nproc,
+            host_budget_bytes=self.host_budget_bytes or None,
         )
 
 
@@ -287,6 +289,7 @@ _RESULT_ATTRS = (
     "memory_breakdown",
     "stderr_tail",
     "rank_peaks",
+    "host_peak_bytes",
 )
 
 
