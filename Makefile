@@ -2,15 +2,15 @@
 # CPU torch, DeepSpeed and the project: scripts/install.sh), so a fresh clone needs nothing else.
 #
 #   make run    the main job: a 12-trial study of real CPU trials in ./autotune.db (SQLite)
-#   make test   the test services, ruff, mypy and the whole test suite (CI runs exactly this)
+#   make test   the test services, ruff, mypy and the test suite without slow tests (CI runs this)
 #
-# Also: make test-fast (the suite without slow tests, for local work), make lint, make mutation.
+# Also: make test-slow (the slow tests), make lint, make mutation.
 
 VENV := .venv
 PY := $(VENV)/bin/python
 RUN_ARGS ?= --model tiny-llama --budget 300MB --trials 12
 
-.PHONY: run test test-fast lint services mutation
+.PHONY: run test test-slow lint services mutation
 
 # re-install when the installer or the dependencies change
 $(VENV)/.installed: scripts/install.sh pyproject.toml
@@ -31,8 +31,8 @@ lint: $(VENV)/.installed
 test: $(VENV)/.installed services lint
 	$(PY) -m pytest
 
-test-fast: $(VENV)/.installed
-	$(PY) -m pytest -m 'not slow'
+test-slow: $(VENV)/.installed services
+	$(PY) -m pytest -m slow
 
 mutation: $(VENV)/.installed
 	$(PY) scripts/mutation.py
