@@ -177,6 +177,12 @@ CASES: list[Case] = [
          "model config file not found"),
     Case("model config binary", ["run", "--model", "binary.json", "--budget", "1GB"],
          "is not valid JSON"),
+    Case("model config negative size", ["run", "--model", "negative.json", "--budget", "1GB"],
+         "hidden_size must be a positive integer"),
+    Case("model config missing size", ["estimate", "--model", "nosize.json", "--budget", "1GB"],
+         "hidden_size"),
+    Case("model config unknown type", ["run", "--model", "unknown.json", "--budget", "1GB"],
+         "is not a causal LM transformers can build"),
     Case("model config a JSON list", ["run", "--model", "list.json", "--budget", "1GB"],
          "not a causal-LM model config"),
     Case("model config a folder", ["run", "--model", "folder.json", "--budget", "1GB"],
@@ -362,6 +368,11 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
              "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2,
              "max_position_embeddings": 32}  # fmt: skip
     (path / "short.json").write_text(json.dumps(short))
+    (path / "negative.json").write_text(json.dumps({**short, "hidden_size": -4}))
+    (path / "nosize.json").write_text(
+        json.dumps({k: v for k, v in short.items() if k != "hidden_size"})
+    )
+    (path / "unknown.json").write_text(json.dumps({**short, "model_type": "nonesuch"}))
     (path / "not_a_db.db").write_text("plain text, not SQLite\n" * 100)
     return path
 
