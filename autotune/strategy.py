@@ -94,7 +94,7 @@ def needs_no_less_memory(candidate: Config, known_oom: Config) -> bool:
 @dataclass
 class Observation:
     config: Config
-    status: str  # ok | oom
+    status: str  # ok | oom | failed (crashed: tried, nothing learnt) | running
     peak_bytes: float
     tokens_per_s: float
     #: relative loss regression against the reference (None: not measured)
@@ -102,10 +102,21 @@ class Observation:
 
 
 def observations(study: optuna.Study) -> list[Observation]:
+    """What the study measured; a crashed trial (FAIL with its config) counts as tried, so a
+    configuration that crashes is not proposed again and again."""
     out = []
-    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
+    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL)):
         a = t.user_attrs
-        if "config" not in a or a.get("status") not in ("ok", "oom"):
+        if "config" not in a:
+            continue
+        if t.state == TrialState.FAIL:
+            # an interrupted trial (Ctrl-C) did not crash: it may be proposed again
+            if a.get("status") == "failed" and not str(a.get("error", "")).startswith(
+                "interrupted"
+            ):
+                out.append(Observation(a["config"], "failed", 0.0, 0.0))
+            continue
+        if a.get("status") not in ("ok", "oom"):
             continue
         regression = a.get("loss_regression")
         out.append(

@@ -1,19 +1,17 @@
-"""Trials-to-optimum of search strategies against an oracle (a benchmark, not a test).
+"""Trials to the optimum of autotune's strategy and its peers, on realities it was not built on.
 
-    python benchmarks/search_efficiency.py [--seeds 10] [--cap 400]
+    python benchmarks/search_efficiency.py [--seeds 20] [--realities measured,traced,interactions]
 
-For each scenario the whole search space is enumerated on the estimate backend, so the true
-optimum is known. Each strategy then searches it, one "trial" at a time, and we count the trials
-until it first proposes the optimum or a configuration within 2% of its speed that fits.
-
-The honest part: autotune's strategy orders its candidates with the analytical estimator, so if
-the oracle *were* that estimator it would find the optimum at once. Reality differs from any
-estimator, so every seed draws a different "reality": the estimator's peak and speed multiplied
-by a random factor per technique choice (log-normal, sigma 0.10 on memory and 0.25 on speed for
-the main techniques — e.g. one GPU's attention kernel is slower than its roofline, an optimizer
-needs more memory than its formula — and 0.02 / 0.05 for tuning knobs such as bucket sizes) and
-a per-configuration noise (sigma 0.03 / 0.05). All strategies search the
-same realities; only autotune's sees the (wrong) estimator.
+Each reality (``benchmarks/realities/core.py``) knows every configuration's outcome, so its
+optimum (the fastest configuration that fits the budget and passes the loss guard) is known.
+Every peer searches it from scratch, one trial at a time, and we count the real trials until the
+first one within 2% of the optimum's tokens/s that fits; the trials spent on OOMs and on
+crashes; and the wall-clock those trials cost. autotune (``--strategy autotune``), the study's
+TPE (``--strategy tpe``) and NSGA-II run as a study does: a real Optuna study with the study's
+``Objective``, reference trial, constraints and duplicate reuse, whose runner replays the reality
+instead of launching a job (a reused duplicate is no trial). Random search walks the grid in a
+random order without repeats, the grid in its declaration order, and the DeepSpeed-style tuner
+follows ``deepspeed/autotuning/autotuner.py`` (see ``deepspeed_style``).
 """
 
 from __future__ import annotations
@@ -24,8 +22,9 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,263 +33,485 @@ import optuna
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from autotune.estimator.analytical import AnalyticalEstimator
-from autotune.estimator.gpus import GpuSpec, gpu_spec
+from autotune.estimator.gpus import gpu_spec
 from autotune.hardware import Hardware
-from autotune.models import REGISTRY
+from autotune.models import REGISTRY, stats_of
+from autotune.runner import TrialRunner
 from autotune.space import SearchSpace
-from autotune.strategy import AutotuneSampler, Observation, config_key
-from autotune.units import parse_size
+from autotune.study import (
+    Objective,
+    StudySettings,
+    TrialCrashed,
+    create_or_load,
+    ensure_reference,
+    make_sampler,
+)
+from benchmarks.realities.core import (
+    HERE,
+    Config,
+    Reality,
+    interaction_reality,
+    table_reality,
+)
+from trials.spec import TrialResult, TrialSpec
 
-Config = dict[str, Any]
-WITHIN = 0.02
-#: tuning knobs whose real effect is a few percent (the main techniques get the full sigma)
-MINOR = {
+MIB = 2**20
+
+
+# --- the record of one search -------------------------------------------------------------------
+
+
+@dataclass
+class Search:
+    """The real trials one peer ran, in order, until it reached the optimum or gave up."""
+
+    reality: Reality
+    cap: int
+    runs: list[tuple[Config, str, float]] = field(default_factory=list)  # config, status, cost
+    found_at: int | None = None
+
+    def run(self, config: Config, unbounded: bool = False) -> str:
+        """Run one trial (as the reality answers it) and note whether it reached the optimum."""
+        r = self.reality
+        status = r.status(config, budget=math.inf if unbounded else None)
+        cost = r.outcome(config).wall_s if unbounded or status != "oom" else r.cost_s(config)
+        self.runs.append((config, status, cost))
+        if self.found_at is None and r.hit(config):
+            self.found_at = len(self.runs)
+        return status
+
+    @property
+    def done(self) -> bool:
+        return self.found_at is not None or len(self.runs) >= self.cap
+
+    def spent(self) -> list[tuple[Config, str, float]]:
+        return self.runs[: self.found_at or len(self.runs)]
+
+
+class ReplayRunner(TrialRunner):
+    """A study's runner that answers from the reality instead of launching the job."""
+
+    def __init__(self, search: Search) -> None:
+        self.search = search
+
+    def run(self, spec: TrialSpec, name: str) -> TrialResult:
+        r = self.search.reality
+        o = r.outcome(spec.config)
+        status = self.search.run(spec.config, unbounded=spec.budget_bytes is None)
+        cost = self.search.runs[-1][2]
+        if status == "failed":
+            return TrialResult("failed", error=o.error or "crashed (replayed)", wall_s=cost)
+        if status == "oom":
+            budget = float(spec.budget_bytes or r.budget_bytes)
+            return TrialResult("oom", peak_bytes=int(budget) + 1, error="replayed OOM", wall_s=cost)
+        return TrialResult(
+            "ok",
+            peak_bytes=int(o.peak_bytes),
+            tokens_per_s=o.tokens_per_s,
+            losses=list(o.losses),
+            wall_s=cost,
+        )
+
+
+# --- the peers ----------------------------------------------------------------------------------
+
+SamplerFactory = Callable[[optuna.Study, SearchSpace, int], optuna.samplers.BaseSampler]
+
+
+def study_search(reality: Reality, factory: SamplerFactory, seed: int, cap: int) -> Search:
+    """The peer as a study runs it (cli._optimize): reference first, the study's objective."""
+    search = Search(reality, cap)
+    settings = StudySettings(
+        model=reality.model,
+        model_config=reality.model_config,
+        budget_bytes=int(reality.budget_bytes),
+        budget_label=f"{reality.budget_bytes / MIB:.0f}MiB",
+        backend=reality.backend,
+        seq_len=reality.seq_len,
+        global_batch_size=reality.global_batch_size,
+        space=reality.space.as_dict(),
+        seed=seed,
+        nproc=reality.nproc,
+    )
+    study = create_or_load(optuna.storages.InMemoryStorage(), "bench", settings)  # type: ignore[arg-type]
+    objective = Objective(study, reality.space, ReplayRunner(search))
+    ensure_reference(study, reality.space)
+    study.sampler = factory(study, reality.space, seed)
+    # a sampler that proposes only reused duplicates never ends: bound the study trials too
+    for _ in range(20 * cap):
+        if search.done:
+            break
+        study.optimize(objective, n_trials=1, catch=(TrialCrashed,))
+    return search
+
+
+def strategy(name: str) -> SamplerFactory:
+    """A ``--strategy`` of the CLI, through the study's own ``make_sampler``."""
+
+    def factory(study: optuna.Study, space: SearchSpace, seed: int) -> optuna.samplers.BaseSampler:
+        return make_sampler(study, seed, space=space, strategy=name)
+
+    return factory
+
+
+def nsga2(study: optuna.Study, space: SearchSpace, seed: int) -> optuna.samplers.BaseSampler:
+    return optuna.samplers.NSGAIISampler(seed=seed)  # reads Trial.set_constraint's constraints
+
+
+def order_search(reality: Reality, order: list[Config], cap: int) -> Search:
+    search = Search(reality, cap)
+    for c in order:
+        if search.done:
+            break
+        search.run(c)
+    return search
+
+
+def random_search(reality: Reality, seed: int, cap: int) -> Search:
+    order = reality.grid[:]
+    random.Random(seed).shuffle(order)
+    return order_search(reality, order, cap)
+
+
+#: the ZeRO knobs DeepSpeed's autotuner tunes per stage; the rest is the user's own config
+ZERO_KNOBS = (
+    "offload_optimizer",
+    "offload_param",
     "reduce_bucket_size",
     "allgather_bucket_size",
     "overlap_comm",
     "contiguous_gradients",
-    "checkpoint_every",
+)
+DS_EARLY_STOPPING = 5  # AUTOTUNING_TUNER_EARLY_STOPPING_DEFAULT
+DS_NUM_TRIALS = 50  # AUTOTUNING_TUNER_NUM_TRIALS_DEFAULT
+
+
+def instantiation_bytes(n_params: int, half: bool, stage: int, gpus: int) -> float:
+    """``Autotuner.get_instantiation_memory_required_per_gpu``: Adam's model states per GPU."""
+    params = n_params * (2 if half else 4)
+    grads = n_params * (2 if half else 4)
+    optim = n_params * (16 if half else 8)
+    if stage >= 1:
+        optim /= gpus
+    if stage >= 2:
+        grads /= gpus
+    if stage >= 3:
+        params /= gpus
+    return params + grads + optim
+
+
+def deepspeed_style(reality: Reality, cap: int) -> Search:
+    """DeepSpeed's autotuner (``Autotuner.tune``), once per setting of what it does not tune.
+
+    DeepSpeed tunes the ZeRO stage, the micro-batch and the stage's knobs; precision,
+    checkpointing and attention are the user's config. So the user's settings are tried one after
+    another (in the space's order), and for each: a profile run (stage 3, micro-batch 1) measures
+    the activation memory; stages 0-3 whose model states (DeepSpeed's formula, no offload) plus
+    that activation fit are tuned in turn: micro-batches ascending up to the calculated maximum
+    until one runs out of memory; a stage > 0 that beats neither the previous stage's best
+    micro-batch nor its metric ends there, else its knobs (offload, buckets, overlap) are
+    grid-searched at the best micro-batch with DeepSpeed's early stopping (5 trials without
+    gain, at most 50). DeepSpeed's model-based tuner (XGBoost cost model) is not reproduced: its
+    default tuner is this grid search."""
+    search = Search(reality, cap)
+    grid = reality.grid
+    n_params = stats_of(reality.model_config).n_params
+    user_dims = [
+        d.name
+        for d in reality.space.dimensions
+        if d.name not in (*ZERO_KNOBS, "zero_stage", "micro_batch_size")
+    ]
+    settings: list[dict[str, Any]] = []
+    for c in grid:
+        u = {d: c.get(d) for d in user_dims}
+        if u not in settings:
+            settings.append(u)
+
+    def matching(**fixed: Any) -> list[Config]:
+        return [c for c in grid if all(c.get(k) == v for k, v in fixed.items())]
+
+    def speed(c: Config, status: str) -> float:
+        return reality.outcome(c).tokens_per_s if status == "ok" else 0.0
+
+    seen: dict[tuple[tuple[str, str], ...], tuple[str, float]] = {}
+
+    def trial(c: Config) -> float:
+        key = tuple(sorted((k, repr(v)) for k, v in c.items()))
+        if key not in seen:
+            if search.done:
+                return 0.0
+            status = search.run(c)
+            seen[key] = (status, speed(c, status))
+        return seen[key][1]
+
+    def plain(u: dict[str, Any], stage: int, mb: int) -> Config | None:
+        """The stage's default knobs: the first choice of each (no offload)."""
+        found = matching(**u, zero_stage=stage, micro_batch_size=mb)
+        return found[0] if found else None
+
+    stages = sorted({c["zero_stage"] for c in grid if "zero_stage" in c})
+    micro_batches = sorted({c["micro_batch_size"] for c in grid})
+    for u in settings:
+        half = u.get("precision") in ("bf16", "fp16")
+        profile = plain(u, max(stages), micro_batches[0])
+        if profile is None:
+            continue
+        trial(profile)
+        if seen[tuple(sorted((k, repr(v)) for k, v in profile.items()))][0] != "ok":
+            continue  # DeepSpeed: "model info profile run failed": no tuning
+        activation = max(
+            1.0,
+            reality.outcome(profile).peak_bytes
+            - instantiation_bytes(n_params, half, max(stages), reality.nproc),
+        )
+        best_mbs, max_mbs, best_metric = 0, 0, 0.0
+        for stage in stages:
+            states = instantiation_bytes(n_params, half, stage, reality.nproc)
+            if states + activation > reality.budget_bytes:
+                continue
+            calc_max = int((reality.budget_bytes - states) // activation)
+            if calc_max < max_mbs:
+                continue
+            fast_mbs, fast_metric = 0, 0.0
+            for mb in (m for m in micro_batches if m <= max(calc_max, micro_batches[0])):
+                c = plain(u, stage, mb)
+                if c is None:
+                    continue
+                metric = trial(c)
+                if metric <= 0:
+                    break  # OOM: bigger micro-batches would too
+                if metric > fast_metric:
+                    fast_mbs, fast_metric = mb, metric
+            stage_mbs, stage_metric = fast_mbs, fast_metric
+            if stage > 0 and not (fast_mbs <= best_mbs or fast_metric < best_metric) and fast_mbs:
+                # the stage's knobs, grid-searched with early stopping
+                best_here, since = fast_metric, 0
+                for n, c in enumerate(matching(**u, zero_stage=stage, micro_batch_size=fast_mbs)):
+                    if n >= DS_NUM_TRIALS or since >= DS_EARLY_STOPPING:
+                        break
+                    metric = trial(c)
+                    if metric > best_here:
+                        best_here, since = metric, 0
+                    else:
+                        since += 1
+                stage_metric = max(stage_metric, best_here)
+            if stage_mbs > best_mbs:
+                best_mbs, max_mbs, best_metric = stage_mbs, calc_max, stage_metric
+        if search.done:
+            break
+    return search
+
+
+#: peers that never repeat a configuration and cost nothing to simulate: searched to the end
+EXHAUSTIVE = ("random", "grid", "DeepSpeed-style")
+PEERS: dict[str, Callable[[Reality, int, int], Search]] = {
+    "autotune": lambda r, seed, cap: study_search(r, strategy("autotune"), seed, cap),
+    "TPE (constraints)": lambda r, seed, cap: study_search(r, strategy("tpe"), seed, cap),
+    "NSGA-II (constraints)": lambda r, seed, cap: study_search(r, nsga2, seed, cap),
+    "random": random_search,
+    "grid": lambda r, seed, cap: order_search(r, r.grid, cap),
+    "DeepSpeed-style": lambda r, seed, cap: deepspeed_style(r, cap),
 }
 
 
-@dataclass
-class Scenario:
-    name: str
-    model: str
-    budget: str
-    gpu: str
-    nproc: int
+# --- the realities ------------------------------------------------------------------------------
 
-    def setup(self) -> tuple[list[Config], Callable[[Config], tuple[float, float]], float]:
-        entry = REGISTRY[self.model]
-        gpu: GpuSpec = gpu_spec(self.gpu)
-        grid = self.space().grid()
-        est = AnalyticalEstimator()
+MEASURED = HERE / "measured_mini_llama.json"
+TRACED = HERE / "traced_small_llama.json"
+#: the budgets: most of each space over it
+MEASURED_BUDGET = 24 * MIB
+TRACED_BUDGET = 900 * MIB
 
-        def predict(c: Config) -> tuple[float, float]:
+
+def measured(seed: int) -> Reality:
+    return table_reality(
+        "measured: mini-llama (0.9M), real CPU trials",
+        MEASURED,
+        HERE / "measured_space.yaml",
+        MEASURED_BUDGET,
+        "real trials on a shared 2-core CPU: speed differences of a few percent are noise, "
+        "and CPU offload is no PCIe copy; a small model (fixed costs weigh more than on a GPU)",
+    )
+
+
+def traced(seed: int) -> Reality:
+    return table_reality(
+        "traced: small-llama (58M) on 4x RTX 4090",
+        TRACED,
+        HERE / "traced_space.yaml",
+        TRACED_BUDGET,
+        "memory from the traced estimator (fake-tensor step) plus the device model's "
+        "construction peak; speed from the roofline the analytical estimator also uses",
+        nproc=4,
+        backend="cuda",
+        hardware=cuda_hardware(4),
+    )
+
+
+def cuda_hardware(n: int) -> Hardware:
+    return Hardware(
+        backend="cuda",
+        cuda_capability=(8, 9),
+        gpu_count=n,
+        has_flash_attn=True,
+        has_bitsandbytes=True,
+        has_peft=True,
+        has_deepspeed=True,
+    )
+
+
+INTERACTION_MODEL = "llama-7b"
+INTERACTION_GPU = "a100-40gb"
+INTERACTION_NPROC = 8
+INTERACTION_BUDGET = 40 * 10**9
+
+
+def interaction_space() -> SearchSpace:
+    return SearchSpace.load(HERE / "interaction_space.yaml").resolve(
+        REGISTRY[INTERACTION_MODEL].global_batch_size, cuda_hardware(INTERACTION_NPROC)
+    )
+
+
+_PRIOR: dict[Any, tuple[float, float]] = {}
+
+
+def interactions(seed: int) -> Reality:
+    entry = REGISTRY[INTERACTION_MODEL]
+    space = interaction_space()
+    gpu = gpu_spec(INTERACTION_GPU)
+    est = AnalyticalEstimator()
+
+    def predict(c: Config) -> tuple[float, float]:
+        key = tuple(sorted((k, repr(v)) for k, v in c.items()))
+        if key not in _PRIOR:
             e = est.estimate(
                 entry.config,
                 c,
                 seq_len=entry.seq_len,
                 global_batch_size=entry.global_batch_size,
-                nproc=self.nproc,
+                nproc=INTERACTION_NPROC,
                 gpu=gpu,
             )
-            return float(e.peak_bytes), float(e.tokens_per_s)
+            _PRIOR[key] = (float(e.peak_bytes), float(e.tokens_per_s))
+        return _PRIOR[key]
 
-        return grid, predict, float(parse_size(self.budget))
-
-    def space(self) -> SearchSpace:
-        """The default space, resolved for the target GPU (every CUDA technique available)."""
-        hw = Hardware(
-            backend="cuda",
-            cuda_capability=gpu_spec(self.gpu).sm,
-            gpu_count=self.nproc,
-            has_flash_attn=True,
-            has_bitsandbytes=True,
-            has_peft=True,
-            has_deepspeed=True,
-        )
-        return SearchSpace.load().resolve(REGISTRY[self.model].global_batch_size, hw)
-
-
-SCENARIOS = [
-    Scenario("llama-7b, 1x RTX 4090 (24GB)", "llama-7b", "24GB", "rtx4090", 1),
-    Scenario("llama-70b, 8x H100 80GB", "llama-70b", "80GB", "h100", 8),
-]
-
-
-def make_reality(
-    grid: list[Config], prior: dict[Any, tuple[float, float]], seed: int
-) -> dict[Any, tuple[float, float]]:
-    rng = random.Random(seed)
-    factors: dict[tuple[str, str, str], float] = {}
-
-    def factor(kind: str, k: str, v: Any, sigma: float) -> float:
-        key = (kind, k, repr(v))
-        if key not in factors:
-            factors[key] = math.exp(rng.gauss(0.0, sigma))
-        return factors[key]
-
-    truth = {}
-    for c in grid:
-        peak, speed = prior[config_key(c)]
-        for k, v in sorted(c.items()):
-            minor = k in MINOR
-            peak *= factor("peak", k, v, 0.02 if minor else 0.10)
-            speed *= factor("speed", k, v, 0.05 if minor else 0.25)
-        peak *= math.exp(rng.gauss(0.0, 0.03))
-        speed *= math.exp(rng.gauss(0.0, 0.05))
-        truth[config_key(c)] = (peak, speed)
-    return truth
-
-
-def optimum(truth: dict[Any, tuple[float, float]], budget: float) -> float:
-    return max(s for p, s in truth.values() if p <= budget)
-
-
-def hit(c: Config, truth: dict[Any, tuple[float, float]], budget: float, best: float) -> bool:
-    peak, speed = truth[config_key(c)]
-    return peak <= budget and speed >= (1 - WITHIN) * best
-
-
-def run_order(order: list[Config], truth: dict[Any, Any], budget: float, best: float) -> int | None:
-    for i, c in enumerate(order, 1):
-        if hit(c, truth, budget, best):
-            return i
-    return None
-
-
-def run_optuna(
-    sampler: optuna.samplers.BaseSampler,
-    space: SearchSpace,
-    truth: dict[Any, Any],
-    budget: float,
-    best: float,
-    cap: int,
-    multi: bool,
-) -> int | None:
-    study = optuna.create_study(
-        directions=["maximize", "minimize"] if multi else ["maximize"], sampler=sampler
+    return interaction_reality(
+        "interactions: llama-7b on 8x A100 40GB (seed's own draw)",
+        space,
+        predict,
+        INTERACTION_BUDGET,
+        seed,
+        {
+            "model": INTERACTION_MODEL,
+            "model_config": entry.config,
+            "seq_len": entry.seq_len,
+            "global_batch_size": entry.global_batch_size,
+            "nproc": INTERACTION_NPROC,
+        },
+        "synthetic: the analytical model (on the target GPU) times log-normal main effects, "
+        "pairwise interaction terms and noise, with 4 crashing pairs of choices per seed",
     )
-    for i in range(1, cap + 1):
-        trial = study.ask()
-        c = space.sample(trial.suggest_categorical)  # type: ignore[arg-type]
-        peak, speed = truth[config_key(c)]
-        fits = peak <= budget
-        trial.set_constraint("memory", (peak - budget) / budget)
-        trial.set_user_attr("config", c)
-        # an OOM measures no speed
-        study.tell(trial, (speed if fits else 0.0, peak) if multi else speed if fits else 0.0)
-        if hit(c, truth, budget, best):
-            return i
-    return None
 
 
-def run_autotune(
-    sampler: AutotuneSampler, truth: dict[Any, Any], budget: float, best: float, cap: int
-) -> int | None:
-    """The planner is stateless between runs: its only input is the history it is given."""
-    history: list[Observation] = []
-    for i in range(1, cap + 1):
-        c = sampler.plan(history)
-        if c is None:
-            return None
-        peak, speed = truth[config_key(c)]
-        fits = peak <= budget
-        history.append(
-            Observation(
-                c, "ok" if fits else "oom", peak if fits else budget, speed if fits else 0.0
-            )
-        )
-        if hit(c, truth, budget, best):
-            return i
-    return None
-
-
-@dataclass
-class Run:
-    seed: int
-    grid: list[Config]
-    space: SearchSpace
-    autotune: AutotuneSampler
-    truth: dict[Any, tuple[float, float]]
-    budget: float
-    best: float
-    cap: int
-
-
-def _shuffled(run: Run) -> list[Config]:
-    order = run.grid[:]
-    random.Random(1000 + run.seed).shuffle(order)
-    return order
-
-
-#: strategy -> trials until the optimum (None: not within the cap); grid and random walk the
-#: whole grid without repeats, the Optuna samplers and autotune stop at the cap
-STRATEGIES: dict[str, Callable[[Run], int | None]] = {
-    "grid order": lambda r: run_order(r.grid, r.truth, r.budget, r.best),
-    "random": lambda r: run_order(_shuffled(r), r.truth, r.budget, r.best),
-    "TPE (constraints)": lambda r: run_optuna(
-        optuna.samplers.TPESampler(seed=r.seed, multivariate=True, group=True),
-        r.space,
-        r.truth,
-        r.budget,
-        r.best,
-        r.cap,
-        multi=False,
-    ),
-    "NSGA-II": lambda r: run_optuna(
-        optuna.samplers.NSGAIISampler(seed=r.seed),
-        r.space,
-        r.truth,
-        r.budget,
-        r.best,
-        r.cap,
-        multi=True,
-    ),
-    "autotune": lambda r: run_autotune(r.autotune, r.truth, r.budget, r.best, r.cap),
+REALITIES: dict[str, Callable[[int], Reality]] = {
+    "measured": measured,
+    "traced": traced,
+    "interactions": interactions,
 }
 
 
-def summarise(counts: list[int | None], cap: int) -> tuple[str, str, float]:
-    found = [c if c is not None else cap + 1 for c in counts]
-    med = statistics.median(found)
-    worst = max(found)
-
-    def fmt(n: float) -> str:
-        return f">{cap}" if n > cap else f"{n:g}"
-
-    return fmt(med), fmt(worst), med
+# --- the report ---------------------------------------------------------------------------------
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=10)
-    parser.add_argument("--cap", type=int, default=400, help="most trials per strategy run")
-    parser.add_argument("--strategies", default=",".join(STRATEGIES))
-    parser.add_argument("--scenarios", default="all", help="indices, e.g. 0 or 0,1")
-    args = parser.parse_args()
-    optuna.logging.set_verbosity(optuna.logging.ERROR)
-    import warnings
+def percentile(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
 
-    warnings.filterwarnings("ignore")
-    names = args.strategies.split(",")
-    picked = (
-        SCENARIOS
-        if args.scenarios == "all"
-        else [SCENARIOS[int(i)] for i in args.scenarios.split(",")]
+
+def fmt_trials(n: float, cap: int) -> str:
+    return f">{cap}" if n > cap else f"{n:g}"
+
+
+def fmt_time(s: float) -> str:
+    return f"{s / 3600:.1f} h" if s >= 3600 else f"{s / 60:.0f} min"
+
+
+def summarise(name: str, searches: list[Search], grid: int, cap: int) -> tuple[str, float]:
+    counts = [float(s.found_at) if s.found_at else float(cap + 1) for s in searches]
+    med, p90 = statistics.median(counts), percentile(counts, 0.9)
+    ooms = statistics.median([sum(st == "oom" for _, st, _ in s.spent()) for s in searches])
+    fails = statistics.median([sum(st == "failed" for _, st, _ in s.spent()) for s in searches])
+    wall = statistics.median([sum(c for _, _, c in s.spent()) for s in searches])
+    missed = sum(s.found_at is None for s in searches)
+    row = (
+        f"| {name} | {fmt_trials(med, cap)} | {fmt_trials(p90, cap)} | "
+        f"{100 * min(med, grid) / grid:.1f}% | {ooms:g} | {fails:g} | {fmt_time(wall)} | "
+        f"{missed}/{len(searches)} |"
     )
-    for sc in picked:
+    return row, med
+
+
+def cap_for(peer: str, reality: Reality, cap: int) -> int:
+    return len(reality.grid) if peer in EXHAUSTIVE else min(cap, len(reality.grid))
+
+
+def iterate(names: list[str], seeds: int) -> Iterator[tuple[str, int, Reality]]:
+    for name in names:
+        for seed in range(seeds):
+            yield name, seed, REALITIES[name](seed)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=20)
+    parser.add_argument("--cap", type=int, default=150, help="most real trials per search")
+    parser.add_argument("--realities", default=",".join(REALITIES))
+    parser.add_argument("--peers", default=",".join(PEERS))
+    args = parser.parse_args(argv)
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    warnings.filterwarnings("ignore")
+    peers = args.peers.split(",")
+    for name in args.realities.split(","):
+        if name not in REALITIES:
+            print(f"unknown reality '{name}' (known: {', '.join(REALITIES)})", file=sys.stderr)
+            return 2
         t0 = time.perf_counter()
-        grid, predict, budget = sc.setup()
-        space = sc.space()
-        prior = {config_key(c): predict(c) for c in grid}
-        autotune = AutotuneSampler(grid, lambda c, p=prior: p[config_key(c)], budget)
-        cap = min(args.cap, len(grid))
-        results: dict[str, list[int | None]] = {k: [] for k in names}
-        for seed in range(args.seeds):
-            truth = make_reality(grid, prior, seed)
-            run = Run(seed, grid, space, autotune, truth, budget, optimum(truth, budget), cap)
-            for name in names:
-                results[name].append(STRATEGIES[name](run))
+        results: dict[str, list[Search]] = {p: [] for p in peers}
+        first = None
+        for _, seed, reality in iterate([name], args.seeds):
+            first = first or reality
+            for p in peers:
+                results[p].append(PEERS[p](reality, seed, cap_for(p, reality, args.cap)))
+        assert first is not None
+        cap = min(args.cap, len(first.grid))
+        feasible = sum(first.feasible(c) for c in first.grid)
+        best, speed = first.optimum()
         print(
-            f"\n## {sc.name}: grid of {len(grid)} configurations, budget {sc.budget}, "
-            f"{args.seeds} seeds, cap {cap} trials ({time.perf_counter() - t0:.0f}s)\n"
+            f"\n## {first.name}\n\n{len(first.grid)} configurations, budget "
+            f"{first.budget_bytes / MIB:,.0f} MiB, {feasible} feasible (seed 0), {args.seeds} "
+            f"seeds, cap {cap} trials (random, grid, DeepSpeed-style: none) "
+            f"({time.perf_counter() - t0:.0f}s)\n"
+            f"optimum (seed 0): {speed:,.0f} tok/s {best}\nlimits: {first.limits}\n"
         )
-        print("| strategy | median trials | worst | median % of grid |")
-        print("|---|---|---|---|")
+        print(
+            "| peer | median trials | p90 | median % of grid | OOMs (median) | "
+            "crashes (median) | wall-clock (median) | not reached |"
+        )
+        print("|---|---|---|---|---|---|---|---|")
         medians = {}
-        for name, counts in results.items():
-            limit = len(grid) if name in ("grid order", "random") else cap
-            med, worst, m = summarise(counts, limit)
-            medians[name] = m
-            print(f"| {name} | {med} | {worst} | {100 * m / len(grid):.2f}% |")
-        if "random" in medians and "autotune" in medians:
+        for p in peers:
+            row, med = summarise(p, results[p], len(first.grid), cap_for(p, first, args.cap))
+            medians[p] = med
+            print(row)
+        if "autotune" in medians and len(medians) > 1:
+            best_peer = min((m, p) for p, m in medians.items() if p != "autotune")
             print(
-                f"\nrandom / autotune median ratio: {medians['random'] / medians['autotune']:.0f}x"
+                f"\nbest peer: {best_peer[1]} ({best_peer[0]:g}); its median / autotune's: "
+                f"{best_peer[0] / medians['autotune']:.2f}x"
             )
+        sys.stdout.flush()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
