@@ -12,9 +12,11 @@ grid) the sampler starts from what is cheap to know:
 3. **Monotone pruning.** If a configuration ran out of memory, the same configuration with a
    bigger micro-batch or less checkpointing would too; those are never proposed. An OOM is
    also a lower bound on the peak and enters the correction as such.
-4. **Loss.** The measured loss regressions are fitted on the lossy choices (bf16, fp16, other
-   optimizers, quantization) by a ridge without bias; a configuration predicted to regress
-   beyond the tolerance is tried last. Exact techniques never regress by construction.
+4. **Loss and crashes.** The measured loss regressions are fitted on the lossy choices (bf16,
+   fp16, other optimizers, quantization) by a ridge without bias; a configuration predicted to
+   regress beyond the tolerance is tried last. Exact techniques never regress by construction.
+   Crashed trials (never proposed again) are fitted the same way on every choice (crashed 1,
+   ran 0), so the other configurations sharing a crashing combination are tried last too.
 5. **Choice.** Propose the untried configuration with the highest corrected speed, plus a small
    bonus for technique choices not measured yet (LinUCB: the ridge's posterior spread), among
    those whose corrected peak fits the budget; if none is predicted to fit, the smallest
@@ -64,6 +66,10 @@ MONOTONE_MEMORY: dict[str, Callable[[Any], float]] = {
 #: optimizer or quantization is blamed on that first.
 LOSS_RIDGE_ALPHA: dict[str, float] = {"precision": 1.0}
 LOSS_RIDGE_DEFAULT = 0.05
+#: the crash model (``_crash_penalty``): ridge strength, and the predicted crash score above
+#: which a candidate is tried last
+CRASH_RIDGE_ALPHA = 0.5
+CRASH_THRESHOLD = 0.5
 #: system attr holding a running trial's planned configuration (seen by other workers)
 PLAN_ATTR = "autotune:plan"
 #: log-step by which an OOM's lower bound is raised until the model predicts it over budget
@@ -296,14 +302,31 @@ class AutotuneSampler(BaseSampler):
             w = np.linalg.solve(x.T @ x + np.diag(self._loss_alpha), x.T @ y)
             predicted = self._x[:, self._lossy] @ w
             penalty = (predicted > self.loss_tolerance).astype(float)
+        penalty += self._crash_penalty(history)
         fits = (log_peak <= log_budget) & ~done
         if fits.any():
-            # fewest loss-breaking choices first, then the fastest
+            # fewest loss-breaking or crashing choices first, then the fastest
             order = np.lexsort((-log_speed, penalty))
             best = order[fits[order]][0]
         else:
             best = int(np.argmin(np.where(done, np.inf, log_peak)))
         return self.candidates[int(best)]
+
+    def _crash_penalty(self, history: Sequence[Observation]) -> np.ndarray:
+        """1 for candidates predicted to crash: a ridge (no bias) of crashed (1) / ran (0) on
+        the choices, so a combination that crashed (flash-attention in fp32) is tried last
+        while each of its choices, seen running elsewhere, is not blamed alone."""
+        rows, y = [], []
+        for o in history:
+            i = self._index.get(config_key(o.config))
+            if i is not None and o.status in ("ok", "oom", "failed"):
+                rows.append(i)
+                y.append(1.0 if o.status == "failed" else 0.0)
+        if not any(y):
+            return np.zeros(len(self.candidates))
+        x = self._x[rows][:, :-1].astype(float)
+        w = np.linalg.solve(x.T @ x + CRASH_RIDGE_ALPHA * np.eye(x.shape[1]), x.T @ np.array(y))
+        return np.asarray(self._x[:, :-1] @ w > CRASH_THRESHOLD, dtype=float)
 
     # --- the Optuna sampler interface ------------------------------------------------------------
 

@@ -159,3 +159,40 @@ def test_a_crashed_configuration_is_not_proposed_again() -> None:
             assert seen == [] and sampler.plan(seen) == first
     assert [o.status for o in seen] == ["failed"]
     assert sampler.plan(seen) != first
+
+
+def test_a_crashing_combination_is_tried_last() -> None:
+    """bf16 with eager attention crashes (as flash-attention in fp32 does): after one crash of
+    it, and each choice seen running in another combination, no other bf16+eager config is
+    proposed while others remain."""
+    sampler = AutotuneSampler(GRID, prior, BUDGET)
+
+    def both(c: dict) -> bool:
+        return c["precision"] == "bf16" and c["attention"] == "eager"
+
+    history: list[Observation] = []
+    crashed = next(c for c in GRID if both(c))
+    history.append(Observation(crashed, "failed", 0.0, 0.0))
+    for c in (
+        next(c for c in GRID if c["precision"] == "bf16" and c["attention"] == "sdpa"),
+        next(c for c in GRID if c["precision"] == "fp32" and c["attention"] == "eager"),
+    ):
+        history.append(Observation(c, "ok", *truth(c)))
+    proposed = []
+    for _ in range(20):
+        c = sampler.plan(history)
+        assert c is not None
+        proposed.append(c)
+        peak, speed = truth(c)
+        history.append(Observation(c, "ok" if peak <= BUDGET else "oom", peak, speed))
+    assert not any(both(c) for c in proposed)
+    # without the crash (the same trials, all ran) bf16+eager is among the first proposals
+    history = [Observation(crashed, "ok", *truth(crashed)), *history[1:3]]
+    free = []
+    for _ in range(20):
+        c = sampler.plan(history)
+        assert c is not None
+        free.append(c)
+        peak, speed = truth(c)
+        history.append(Observation(c, "ok" if peak <= BUDGET else "oom", peak, speed))
+    assert any(both(c) for c in free)
