@@ -142,9 +142,7 @@ def _optimize(
         objective.on_result = on_result
         try:
             with _terminate_as_interrupt():
-                study.optimize(
-                    objective, n_trials=n_trials, timeout=timeout, catch=(TrialCrashed,)
-                )
+                study.optimize(objective, n_trials=n_trials, timeout=timeout, catch=(TrialCrashed,))
         except KeyboardInterrupt:
             progress.stop()
             err_console.print(
@@ -175,7 +173,7 @@ def _confirm_finalists(study: optuna.Study, runner: SubprocessRunner, storage_ur
     """Re-measure, interleaved, the configurations within the noise of each class's fastest."""
     try:
         with _terminate_as_interrupt():
-            ran = remeasure(study, runner)
+            ran = remeasure(study, runner, settings_of(study).confirm_rounds)
     except KeyboardInterrupt:
         err_console.print(
             "[yellow]interrupted[/yellow] while re-measuring the finalists; resume with: "
@@ -265,6 +263,14 @@ def _report(study: optuna.Study, storage_url: str) -> None:
     "(default 200; --backend estimate: 0, no probes).",
 )
 @click.option(
+    "--confirm-rounds",
+    type=click.IntRange(min=0),
+    default=2,
+    show_default=True,
+    help="Interleaved re-measurements of the finalists (within the noise of the best) before "
+    "a winner is named; 0: none.",
+)
+@click.option(
     "--probe-seeds",
     type=click.IntRange(min=2),
     default=2,
@@ -312,6 +318,7 @@ def run(
     loss_tolerance: float,
     allow: str,
     probe_steps: int | None,
+    confirm_rounds: int,
     probe_seeds: int,
     trial_timeout: float,
     timeout: float | None,
@@ -367,6 +374,7 @@ def run(
         allow=allow,
         probe_steps=probe_steps if probe_steps is not None else (0 if gpu_target else 200),
         probe_seeds=probe_seeds,
+        confirm_rounds=confirm_rounds,
     )
     name = study_name or settings.default_study_name()
     study = create_or_load(open_storage(storage), name, settings)

@@ -36,7 +36,7 @@ def remeasure(study: optuna.Study, runner: TrialRunner, rounds: int = CONFIRM_RO
     settings = settings_of(study)
     configs = {t.number: t.user_attrs["config"] for t in study.get_trials(deepcopy=False)}
     ran = 0
-    for numbers in finalists(study):
+    for numbers in finalists(study) if rounds > 0 else []:
         samples: dict[str, list[float]] = {str(n): [] for n in numbers}
         for i in range(rounds):
             for n in numbers:

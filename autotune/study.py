@@ -47,7 +47,7 @@ class StudySettings:
     loss_tolerance: float = 0.02
     warmup_steps: int = 2
     #: timed steps; tokens/s comes from their median step time (trials/job.py)
-    measured_steps: int = 8
+    measured_steps: int = 6
     seed: int = 0
     lr: float = 3e-3
     nproc: int = 1
@@ -57,6 +57,8 @@ class StudySettings:
     #: loss probes of lossy numerics on a proxy (autotune/lossguard.py); 0 steps: none
     probe_steps: int = 200
     probe_seeds: int = 2
+    #: interleaved re-measurement rounds of the finalists (autotune/finalists.py); 0: none
+    confirm_rounds: int = 2
     #: keys that must match to add trials to an existing study
     identity: tuple[str, ...] = field(
         default=(

@@ -26,6 +26,11 @@ RUN = [
     *SMALL_ARGS,
     "--strategy",
     "tpe",
+    # a short probe and one confirmation round keep the module quick; test_lossguard covers them
+    "--probe-steps",
+    "10",
+    "--confirm-rounds",
+    "1",
 ]
 
 
