@@ -120,8 +120,6 @@ def print_selection(console: Console, sel: Selection, title: str = "trials") -> 
             f"[bold green]winner[/bold green]: trial {w.number}: {describe(w.config)}  "
             f"peak {format_size(w.peak_bytes)} of {budget}, {w.speed:,.0f} tokens/s"
         )
-        for line in class_summary(sel, describe):
-            console.print(f"  {line}", markup=False, highlight=False)
     elif sel.closest is not None:
         c = sel.closest
         regressed = sum(r.fits and r.loss_ok is False for r in sel.rows)
@@ -137,6 +135,9 @@ def print_selection(console: Console, sel: Selection, title: str = "trials") -> 
         )
     else:
         console.print("[bold red]no trial has finished yet[/bold red]")
+    if sel.winner is not None or sel.closest is not None:
+        for line in class_summary(sel, describe):  # the full-training answer first
+            console.print(f"  {line}", markup=False, highlight=False)
     if sel.load_warning:
         console.print(f"[yellow]{sel.load_warning}[/yellow]")
 

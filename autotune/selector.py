@@ -121,7 +121,7 @@ class ClassResult:
     ties: list[Row] = field(default_factory=list)  # within ``margin`` of the fastest
     margin: float = NOISE_FLOOR
     searched: bool = True  # False: --allow left this group out
-    tried: int = 0  # trials of this group that ran to the end
+    tried: int = 0  # trials of this group that ran to the end or out of memory
 
     @property
     def contenders(self) -> list[Row]:
@@ -255,11 +255,12 @@ def select(study: optuna.Study) -> Selection:
     allowed = classes_up_to(settings.allow)
     classes = {}
     for group, members in GROUPS.items():
-        ran = [r for r in rows if r.fidelity in members and r.status == "ok" and not r.duplicate_of]
-        feasible = [r for r in ran if r.feasible]
+        mine = [r for r in rows if r.fidelity in members and r.duplicate_of is None]
+        feasible = [r for r in mine if r.feasible]
+        tried = sum(r.status in ("ok", "oom") for r in mine)
         winner, ties, margin = decide(feasible)
         classes[group] = ClassResult(
-            group, winner, ties, margin, any(c in allowed for c in members), len(ran)
+            group, winner, ties, margin, any(c in allowed for c in members), tried
         )
     # the most faithful group that has a feasible configuration gives the headline winner
     winner = next((c.winner for c in classes.values() if c.winner is not None), None)

@@ -196,7 +196,11 @@ def ensure_reference(study: optuna.Study, space: SearchSpace) -> None:
         return
     config = study.user_attrs.get("reference_config")
     if config is None:
-        config = least_memory_exact(space, settings_of(study))
+        try:
+            config = least_memory_exact(space, settings_of(study))
+        except (KeyError, ValueError, NotImplementedError):
+            # an architecture the analytical estimator does not know: the space's preferences
+            config = space.restrict(("exact",)).reference_config()
         study.set_user_attr("reference_config", config)
     study.enqueue_trial(space.params_for(config), user_attrs={"role": "reference"})
 
