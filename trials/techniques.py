@@ -81,8 +81,14 @@ def _adamw(params: Iterable[nn.Parameter], lr: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
 
 
+#: Adafactor's step is relative to each parameter's RMS (Shazeer & Stern 2018): min(lr, 1/sqrt(t))
+#: times RMS(param). The paper's (and torch's default) cap is 1e-2; AdamW's lr there would make
+#: its steps several times smaller than intended, so it keeps its own.
+ADAFACTOR_LR = 1e-2
+
+
 def _adafactor(params: Iterable[nn.Parameter], lr: float) -> torch.optim.Optimizer:
-    return torch.optim.Adafactor(params, lr=lr, weight_decay=0.0)
+    return torch.optim.Adafactor(params, lr=ADAFACTOR_LR, weight_decay=0.0)
 
 
 def _lion(params: Iterable[nn.Parameter], lr: float) -> torch.optim.Optimizer:
