@@ -301,7 +301,9 @@ def class_summary(sel: Selection, describe: Callable[[dict[str, Any]], str]) -> 
             f" of {budget}{host}, {w.speed:,.0f} tokens/s"
         )
         if result.ties:
-            others = ", ".join(f"#{r.number}" for r in result.ties)
+            others = ", ".join(f"#{r.number}" for r in result.ties[:3])
+            if len(result.ties) > 3:
+                others += f" and {len(result.ties) - 3} more"
             line += f"; ties with {others} within {result.margin:.0%}: the simplest is named"
         lines.append(line + f"; loss: {verdict_text(w)}")
     return lines
