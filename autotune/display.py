@@ -61,7 +61,7 @@ def _loss_cell(row: Row) -> str:
     if v.via == "reference":
         cell = f"ref {v.regression:.0e}"
     else:
-        noise = f" ±{v.noise * 100:.2f}" if v.noise is not None else ""
+        noise = f" ±{v.noise * 100:.2f}%" if v.noise is not None else ""
         cell = f"{v.regression * 100:+.2f}%{noise} probe"
     if v.ok is False:
         return f"[red]{cell} ✗[/red]"
