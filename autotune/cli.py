@@ -36,8 +36,10 @@ from autotune.estimate_cli import (
 )
 from autotune.estimator.gpus import gpu_spec
 from autotune.export import EXPORTERS, UserSettings, export, measured_on
+from autotune.finalists import remeasure
 from autotune.hardware import Hardware
 from autotune.ladder import ladder_cells, run_ladder
+from autotune.lossguard import Prober, ProbeSettings
 from autotune.masking import mask_url, url_secrets
 from autotune.models import resolve_model
 from autotune.runner import SubprocessRunner
@@ -45,6 +47,7 @@ from autotune.selector import select, selection_json
 from autotune.space import SearchSpace
 from autotune.storage import open_storage
 from autotune.study import (
+    DEFAULT_ALLOW,
     DEFAULT_STORAGE,
     GIVEN_OPTIONS,
     STRATEGIES,
@@ -61,6 +64,7 @@ from autotune.study import (
 from autotune.terminal import make_console, printable, shell_line
 from autotune.units import budget_label, format_size, parse_size
 from trials.spec import TrialResult
+from trials.techniques import FIDELITY_CLASSES, classes_up_to
 
 #: Real CPU trials build the model in this machine's memory; beyond this they can't run here.
 MAX_CPU_TRIAL_PARAMS = 500_000_000
@@ -130,10 +134,9 @@ def _optimize(
     strategy: str = "autotune",
 ) -> None:
     settings = settings_of(study)
-    runner = runner_for(
-        settings, SubprocessRunner(workdir_for(study.study_name), timeout_s=trial_timeout)
-    )
-    objective = Objective(study, space, runner)
+    real = SubprocessRunner(workdir_for(study.study_name), timeout_s=trial_timeout)
+    runner = runner_for(settings, real)
+    objective = Objective(study, space, runner, *_prober(settings, real))
     # workers draw trials; queueing the reference is the job of run/resume. Predictions have
     # no loss curve, so an estimate study has no reference and no loss guard.
     if not worker and settings.backend != "estimate":
@@ -173,6 +176,38 @@ def _optimize(
                 err=True,
             )
             sys.exit(130)
+    if not worker and settings.backend != "estimate":
+        _confirm_finalists(study, real, storage_url)
+
+
+def _prober(settings: StudySettings, real: SubprocessRunner) -> tuple[Prober | None, str]:
+    """The loss probe of lossy numerics (autotune/lossguard.py), or None and why not."""
+    if settings.probe_steps <= 0:
+        why = "predicted study" if settings.backend == "estimate" else "probes are off"
+        return None, f"{why} (--probe-steps N trains a proxy)"
+    probe = ProbeSettings(
+        steps=settings.probe_steps,
+        seeds=settings.probe_seeds,
+        lr=settings.lr,
+        backend="cuda" if settings.backend == "cuda" else "cpu",
+    )
+    return Prober(settings.model_config, probe, real), ""
+
+
+def _confirm_finalists(study: optuna.Study, runner: SubprocessRunner, storage_url: str) -> None:
+    """Re-measure, interleaved, the configurations within the noise of each class's fastest."""
+    try:
+        with _terminate_as_interrupt():
+            ran = remeasure(study, runner, settings_of(study).confirm_rounds)
+    except KeyboardInterrupt:
+        click.echo(
+            "interrupted while re-measuring the finalists. Resume with"
+            f"{resume_hint(study.study_name, storage_url)}",
+            err=True,
+        )
+        sys.exit(130)
+    if ran:
+        console.print(f"re-measured the finalists within the noise of the best: {ran} runs")
 
 
 def resume_hint(study_name: str, storage_url: str, *extra: str) -> str:
@@ -259,6 +294,37 @@ def _report(study: optuna.Study, storage_url: str) -> None:
     show_default=True,
     help="Allowed relative loss regression of lossy techniques vs the reference.",
 )
+@click.option(
+    "--allow",
+    type=click.Choice(FIDELITY_CLASSES),
+    default=DEFAULT_ALLOW,
+    show_default=True,
+    help="The widest fidelity class searched, in order exact < mixed < reduced_state < "
+    "other_optimizer < adapters: `exact` searches only exact techniques, `mixed` adds 16-bit "
+    "compute, `adapters` adds LoRA/QLoRA.",
+)
+@click.option(
+    "--probe-steps",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Steps of the loss probe that judges lossy numerics on a small proxy of the model "
+    "(default 200; --backend estimate: 0, no probes).",
+)
+@click.option(
+    "--confirm-rounds",
+    type=click.IntRange(min=0),
+    default=2,
+    show_default=True,
+    help="Interleaved re-measurements of the finalists (within the noise of the best) before "
+    "a winner is named; 0: none.",
+)
+@click.option(
+    "--probe-seeds",
+    type=click.IntRange(min=2),
+    default=2,
+    show_default=True,
+    help="Seeds per probe: their spread is the noise band shown with each verdict.",
+)
 @trial_timeout_option
 @timeout_option
 @click.option("--seq-len", type=click.IntRange(min=8), default=None)
@@ -304,6 +370,10 @@ def run(
     backend: str,
     gpu: str | None,
     loss_tolerance: float,
+    allow: str,
+    probe_steps: int | None,
+    confirm_rounds: int,
+    probe_seeds: int,
     trial_timeout: float,
     timeout: float | None,
     seq_len: int | None,
@@ -346,7 +416,7 @@ def run(
         )
     ranks = _ranks(nproc, gpus, hardware) if gpu_target is None else 1
     gbs = global_batch_size or entry.global_batch_size
-    resolved = space.resolve(gbs, hardware)
+    resolved = space.resolve(gbs, hardware, classes_up_to(allow))
     settings = StudySettings(
         model=entry.name,
         model_config=entry.config,
@@ -361,6 +431,10 @@ def run(
         seed=seed,
         nproc=ranks,
         host_budget_bytes=host_limit or (0 if gpu_target else host_budget(None, "cpu") or 0),
+        allow=allow,
+        probe_steps=probe_steps if probe_steps is not None else (0 if gpu_target else 200),
+        probe_seeds=probe_seeds,
+        confirm_rounds=confirm_rounds,
     )
     name = study_name or settings.default_study_name()
     _check_study_name(name)

@@ -173,4 +173,7 @@ def merge_ranks(results: list[TrialResult]) -> TrialResult:
         memory_breakdown=worst.memory_breakdown,
         rank_peaks=[r.peak_bytes for r in results],
         host_peak_bytes=sum(r.host_peak_bytes for r in results),  # the ranks share one host
+        step_time_s=max(r.step_time_s for r in results),  # ranks wait for the slowest
+        step_spread=max(r.step_spread for r in results),
+        load_per_core=max(r.load_per_core for r in results),
     )

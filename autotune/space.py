@@ -20,7 +20,14 @@ from typing import Any
 from autotune.errors import UserError
 from autotune.hardware import Hardware, unavailable_reason
 from autotune.yaml_limits import load_yaml, parse_yaml
-from trials.techniques import ATTENTION, CHECKPOINTING, OPTIMIZERS, PRECISIONS
+from trials.techniques import (
+    ATTENTION,
+    CHECKPOINTING,
+    FIDELITY_CLASSES,
+    OPTIMIZERS,
+    PRECISIONS,
+    choice_fidelity,
+)
 
 Choice = str | int | float | bool
 
@@ -159,8 +166,14 @@ class SearchSpace:
 
     # --- resolving against a study ------------------------------------------------------------
 
-    def resolve(self, global_batch_size: int, hardware: Hardware) -> SearchSpace:
-        """Drop micro-batches that don't divide the global batch and choices the hardware lacks."""
+    def resolve(
+        self,
+        global_batch_size: int,
+        hardware: Hardware,
+        allow: tuple[str, ...] = FIDELITY_CLASSES,
+    ) -> SearchSpace:
+        """Drop micro-batches that don't divide the global batch, choices the hardware lacks and
+        choices of a fidelity class outside ``allow`` (``trials.techniques.classes_up_to``)."""
         dropped: list[str] = []
         dims = []
         present = {d.name for d in self.dimensions}
@@ -172,6 +185,9 @@ class SearchSpace:
                 ):
                     continue
                 reason = unavailable_reason(hardware, d.name, c, present)
+                cls = choice_fidelity(d.name, c)
+                if not reason and cls not in allow:
+                    reason = f"fidelity class {cls} is not searched (--allow {cls} includes it)"
                 if reason:
                     dropped.append(f"{d.name}={c}: {reason}")
                 else:
@@ -179,7 +195,8 @@ class SearchSpace:
             if not keep:
                 raise UserError(
                     f"search space {self.source}: no choice of '{d.name}' can run here "
-                    f"(global batch {global_batch_size}, {hardware.backend})"
+                    f"(global batch {global_batch_size}, {hardware.backend}, "
+                    f"fidelity classes {', '.join(allow)})"
                 )
             dims.append(Dimension(d.name, tuple(keep), d.when))
         # a reference value this machine or batch can't run falls back to the first choice
@@ -187,6 +204,21 @@ class SearchSpace:
         kept = {d.name: d.choices for d in dims}
         reference = {k: v for k, v in self.reference.items() if v in kept[k]}
         return SearchSpace(dims, _rules_within(self.rules, dims), reference, self.source, dropped)
+
+    def restrict(self, allow: tuple[str, ...]) -> SearchSpace:
+        """The same space with only the choices of the fidelity classes in ``allow``."""
+        dims = [
+            Dimension(
+                d.name, tuple(c for c in d.choices if choice_fidelity(d.name, c) in allow), d.when
+            )
+            for d in self.dimensions
+        ]
+        empty = next((d.name for d in dims if not d.choices), None)
+        if empty is not None:
+            raise UserError(f"search space {self.source}: no choice of '{empty}' is in {allow}")
+        return SearchSpace(
+            dims, _rules_within(self.rules, dims), dict(self.reference), self.source, []
+        )
 
     # --- sampling -----------------------------------------------------------------------------
 

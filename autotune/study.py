@@ -8,11 +8,10 @@ FAIL, with its reason stored on the trial.
 
 from __future__ import annotations
 
-import math
 import re
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,15 +21,16 @@ from optuna.storages import RDBStorage
 from optuna.trial import FrozenTrial, TrialState
 
 from autotune.errors import UserError
+from autotune.lossguard import Prober, judge
 from autotune.runner import TrialRunner
 from autotune.space import SearchSpace
 from trials.spec import TrialResult, TrialSpec
-from trials.techniques import is_exact
+from trials.techniques import fidelity_class
 
 DEFAULT_STORAGE = "sqlite:///autotune.db"
-#: per-step relative loss difference allowed for exact techniques (float reassociation noise)
-EXACT_RTOL = 1e-3
 MIB = 2**20
+#: the widest fidelity class searched unless ``--allow`` says otherwise: all but adapters
+DEFAULT_ALLOW = "other_optimizer"
 
 
 @dataclass
@@ -47,12 +47,20 @@ class StudySettings:
     space: dict[str, Any]
     loss_tolerance: float = 0.02
     warmup_steps: int = 2
-    measured_steps: int = 2
+    #: timed steps; tokens/s comes from their median step time (trials/job.py)
+    measured_steps: int = 6
     seed: int = 0
     lr: float = 3e-3
     nproc: int = 1
     target_gpu: str = ""  # backend "estimate": the GPU the predictions are for (gpus.GPUS key)
     host_budget_bytes: int = 0  # host RAM a trial may use (--host-memory); 0: unlimited
+    #: the widest fidelity class searched (``trials.techniques.classes_up_to``)
+    allow: str = DEFAULT_ALLOW
+    #: loss probes of lossy numerics on a proxy (autotune/lossguard.py); 0 steps: none
+    probe_steps: int = 200
+    probe_seeds: int = 2
+    #: interleaved re-measurement rounds of the finalists (autotune/finalists.py); 0: none
+    confirm_rounds: int = 2
     #: keys that must match to add trials to an existing study
     identity: tuple[str, ...] = field(
         default=(
@@ -61,6 +69,7 @@ class StudySettings:
             "backend",
             "seq_len",
             "global_batch_size",
+            "allow",
             "space",
             "nproc",
         ),
@@ -197,50 +206,64 @@ def settings_of(study: optuna.Study) -> StudySettings:
 # --- loss reference --------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class LossCheck:
-    regression: float  # relative; exact: max per-step |diff|, lossy: mean of measured steps
-    tolerance: float
-    exact: bool
-
-    @property
-    def ok(self) -> bool:
-        return self.regression <= self.tolerance
-
-
-def check_loss(
-    losses: Sequence[float], reference: Sequence[float], exact: bool, tolerance: float, last: int
-) -> LossCheck | None:
-    """Compare a trial's per-step losses with the reference's (same seed, same data)."""
-    n = min(len(losses), len(reference))
-    if n == 0 or any(not math.isfinite(x) for x in losses[:n]):
-        return None if n == 0 else LossCheck(math.inf, EXACT_RTOL if exact else tolerance, exact)
-    if exact:
-        worst = max(abs(a - b) / abs(b) for a, b in zip(losses[:n], reference[:n], strict=True))
-        return LossCheck(worst, EXACT_RTOL, True)
-    k = max(1, min(last, n))
-    mean, ref = sum(losses[n - k : n]) / k, sum(reference[n - k : n]) / k
-    return LossCheck((mean - ref) / abs(ref), tolerance, False)
-
-
 def reference_losses(study: optuna.Study) -> list[float] | None:
     ref = study.user_attrs.get("reference_losses")
     return list(ref) if ref else None
 
 
+def least_memory_exact(space: SearchSpace, settings: StudySettings) -> dict[str, Any]:
+    """The exact configuration of the space predicted to need the least device memory (e.g.
+    ZeRO-3 with both offloads, full checkpointing, micro-batch 1): if anything exact fits, it
+    does. Ties go to the space's ``reference`` preferences, then to the first in grid order."""
+    exact = space.restrict(("exact",)).grid()
+    from autotune.strategy import analytical_predictor  # numpy and the estimator: only here
+
+    predict = analytical_predictor(
+        settings.model_config,
+        seq_len=settings.seq_len,
+        global_batch_size=settings.global_batch_size,
+        nproc=settings.nproc,
+        gpu_key=settings.target_gpu or None,
+    )
+
+    def key(item: tuple[int, dict[str, Any]]) -> tuple[float, int, int]:
+        i, config = item
+        prefer = sum(config.get(k) == v for k, v in space.reference.items())
+        return (predict(config)[0], -prefer, i)
+
+    return min(enumerate(exact), key=key)[1]
+
+
 def ensure_reference(study: optuna.Study, space: SearchSpace) -> None:
-    """Queue the exact reference as the next trial unless it ran or is queued/running."""
+    """Queue the exact reference once per study: never again once a reference trial exists in
+    any state (a crashed one is retried by the heartbeat callback, not here)."""
     if reference_losses(study) is not None:
         return
+    if any(t.user_attrs.get("role") == "reference" for t in study.get_trials(deepcopy=False)):
+        return
+    config = study.user_attrs.get("reference_config")
+    if config is None:
+        try:
+            config = least_memory_exact(space, settings_of(study))
+        except (KeyError, ValueError, NotImplementedError):
+            # an architecture the analytical estimator does not know: the space's preferences
+            config = space.restrict(("exact",)).reference_config()
+        study.set_user_attr("reference_config", config)
+    study.enqueue_trial(space.params_for(config), user_attrs={"role": "reference"})
+
+
+def no_reference_why(study: optuna.Study) -> str:
+    """Why exact trials of this study have no reference curve to be checked against."""
     for t in study.get_trials(deepcopy=False):
-        if t.user_attrs.get("role") == "reference" and t.state in (
-            TrialState.WAITING,
-            TrialState.RUNNING,
-        ):
-            return
-    study.enqueue_trial(
-        space.params_for(space.reference_config()), user_attrs={"role": "reference"}
-    )
+        if t.user_attrs.get("role") != "reference":
+            continue
+        if t.state == TrialState.RUNNING:
+            return f"the reference (trial {t.number}) is still running"
+        error = t.user_attrs.get("error") or t.state.name.lower()
+        return f"the reference (trial {t.number}) has no curve: {error}"
+    if settings_of(study).backend == "estimate":
+        return "predicted, not trained (exact by construction)"
+    return "no reference trial yet"
 
 
 def _earlier_reference(study: optuna.Study, number: int) -> bool:
@@ -290,22 +313,35 @@ _RESULT_ATTRS = (
     "stderr_tail",
     "rank_peaks",
     "host_peak_bytes",
+    "step_time_s",
+    "step_spread",
+    "load_per_core",
 )
 
 
 class Objective:
     """Sample a config, run it (or reuse an identical finished trial), record it."""
 
-    def __init__(self, study: optuna.Study, space: SearchSpace, runner: TrialRunner) -> None:
+    def __init__(
+        self,
+        study: optuna.Study,
+        space: SearchSpace,
+        runner: TrialRunner,
+        prober: Prober | None = None,
+        no_probe_why: str = "",
+    ) -> None:
         self.study = study
         self.space = space
         self.runner = runner
         self.settings = settings_of(study)
+        self.prober = prober  # lossy numerics are judged on a proxy (autotune/lossguard.py)
+        self.no_probe_why = no_probe_why
         self.on_result: Callable[[FrozenTrial | optuna.Trial, TrialResult], None] | None = None
 
     def __call__(self, trial: optuna.Trial) -> tuple[float, float]:
         config = self.space.sample(trial.suggest_categorical)  # type: ignore[arg-type]
         trial.set_user_attr("config", config)
+        trial.set_user_attr("fidelity", fidelity_class(config))
         role = trial.user_attrs.get("role")
         if role == "reference" and _earlier_reference(self.study, trial.number):
             role = ""  # queued twice by processes that started together: one reference is enough
@@ -356,26 +392,36 @@ class Objective:
         if is_reference and result.losses:
             self.study.set_user_attr("reference_losses", result.losses)
             self.study.set_user_attr("reference_trial", trial.number)
-        ref = reference_losses(self.study)
-        check = None
-        if ref is not None and result.status == "ok":
-            check = check_loss(
+        verdict = None
+        if result.status == "ok":
+            verdict = judge(
+                config,
                 result.losses,
-                ref,
-                is_exact(config),
-                self.settings.loss_tolerance,
-                self.settings.measured_steps,
+                is_reference=is_reference,
+                reference=reference_losses(self.study),
+                no_reference_why="" if is_reference else no_reference_why(self.study),
+                prober=self.prober,
+                no_probe_why=self.no_probe_why,
+                tolerance=self.settings.loss_tolerance,
             )
-        if check is not None:
-            trial.set_user_attr("loss_regression", check.regression)
-            trial.set_user_attr("loss_tolerance", check.tolerance)
+            # the one stored verdict: selector, ladder, report and strategy read it from here
+            trial.set_user_attr("loss_verdict", verdict.to_attrs())
+            if verdict.regression is not None:
+                trial.set_user_attr("loss_regression", verdict.regression)
+                trial.set_user_attr("loss_tolerance", verdict.tolerance)
         budget = self.settings.budget_bytes
         over = (
             (result.peak_bytes - budget) / budget
             if result.status == "ok"
             else max(1e-6, (result.peak_bytes - budget) / budget)
         )
-        loss_violation = (check.regression - check.tolerance) if check else 0.0
+        loss_violation = (
+            verdict.regression - verdict.tolerance
+            if verdict is not None
+            and verdict.regression is not None
+            and verdict.tolerance is not None
+            else 0.0
+        )
         # <= 0 is feasible; the sampler reads these from the trial (Optuna's set_constraint)
         constraints = {"memory": over, "loss": min(loss_violation, 1e6)}
         for name, value in constraints.items():

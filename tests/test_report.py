@@ -20,7 +20,7 @@ from autotune.runner import SubprocessRunner
 from autotune.selector import select
 from autotune.space import SearchSpace
 from autotune.study import Objective, TrialCrashed, settings_of
-from tests.conftest import DATA, SMALL_ARGS, cli
+from tests.conftest import DATA, NO_PROBES, SMALL_ARGS, cli
 
 BUDGET = "150MB"  # the plain baseline (~175 MiB) does not fit; checkpointing (~136 MiB) does
 STUDY = "tiny-llama-150MB-cpu"
@@ -33,6 +33,7 @@ RUN = [
     "--space",
     str(DATA / "ladder_space.yaml"),
     *SMALL_ARGS,
+    *NO_PROBES,
 ]
 
 

@@ -24,7 +24,7 @@ from autotune.selector import STALE
 from autotune.space import SearchSpace
 from autotune.storage import GRACE_FACTOR, HEARTBEAT_ENV
 from autotune.study import Objective, TrialCrashed, settings_of
-from tests.conftest import SMALL_ARGS, cli
+from tests.conftest import NO_PROBES, SMALL_ARGS, cli
 from tests.studies import make_study
 from tests.test_runner import _gone
 
@@ -48,7 +48,7 @@ def _autotune(*args: str, cwd: Path) -> subprocess.Popen[str]:
 def _run_args(n: int, storage: str) -> list[str]:
     return [
         "run", "--model", "tiny-llama", "--budget", "150MB", "--space", str(TINY_SPACE),
-        *SMALL_ARGS, "--trials", str(n), "--storage", storage,
+        *SMALL_ARGS, *NO_PROBES, "--trials", str(n), "--storage", storage,
     ]  # fmt: skip
 
 

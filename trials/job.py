@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import resource
+import statistics
 import sys
 import time
 import traceback
@@ -52,6 +53,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def step_statistics(times: list[float]) -> tuple[float, float]:
+    """(median step time, interquartile range / median) of the measured steps."""
+    if not times:
+        return 0.0, 0.0
+    median = statistics.median(times)
+    if len(times) < 2 or median <= 0:
+        return median, 0.0
+    q1, _, q3 = statistics.quantiles(times, n=4, method="inclusive")
+    return median, (q3 - q1) / median
+
+
 def run_trial(spec: TrialSpec) -> TrialResult:
     """One rank's trial. ``global_batch_size`` is per rank (the batch each rank trains on), so
     tokens/s here is this rank's; the runner sums the ranks."""
@@ -75,13 +87,15 @@ def run_trial(spec: TrialSpec) -> TrialResult:
             with monitor.pause():
                 measured = range(spec.warmup_steps, spec.warmup_steps + spec.measured_steps)
                 batches = [rank_batch(spec, s, rank, n_ranks).to(device) for s in measured]
-                _sync(device)
-                t0 = time.perf_counter()  # end to end: all micro-batches and optimizer steps
-                for tokens in batches:
+                times = []
+                for tokens in batches:  # end to end: all micro-batches and the optimizer step
+                    _sync(device)
+                    t0 = time.perf_counter()
                     losses.append(engine.step(tokens))
-                _sync(device)
-                elapsed = time.perf_counter() - t0
-        tokens_done = spec.global_batch_size * spec.seq_len * spec.measured_steps
+                    _sync(device)
+                    times.append(time.perf_counter() - t0)
+        load = os.getloadavg()[0] / (os.cpu_count() or 1) if hasattr(os, "getloadavg") else 0.0
+        step_time, spread = step_statistics(times)
         peak = monitor.peak_bytes
         host = host_peak_bytes()
         if spec.host_budget_bytes is not None and host > spec.host_budget_bytes:
@@ -96,7 +110,10 @@ def run_trial(spec: TrialSpec) -> TrialResult:
             status="ok",
             host_peak_bytes=host,
             peak_bytes=peak,
-            tokens_per_s=tokens_done / elapsed if elapsed > 0 else 0.0,
+            tokens_per_s=spec.global_batch_size * spec.seq_len / step_time if step_time else 0.0,
+            step_time_s=step_time,
+            step_spread=spread,
+            load_per_core=load,
             losses=losses,
             wall_s=time.perf_counter() - start,
             memory_breakdown=engine.breakdown(peak),

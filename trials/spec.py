@@ -50,7 +50,8 @@ class TrialSpec:
 @dataclass
 class TrialResult:
     """What one trial measured. ``peak_bytes`` is the worst rank's peak; ``tokens_per_s``
-    counts every rank's tokens over the measured steps only (optimizer step included)."""
+    counts every rank's tokens of one step over the median measured step time (optimizer step
+    included), so one slow step (a page fault, a neighbour's burst) does not move it."""
 
     status: Status
     peak_bytes: int = 0
@@ -64,6 +65,9 @@ class TrialResult:
     #: host memory: the job's peak resident set (ru_maxrss; all ranks of a host summed), or the
     #: estimator's prediction on the estimate backend
     host_peak_bytes: int = 0
+    step_time_s: float = 0.0  # median time of one measured optimizer step (all micro-batches)
+    step_spread: float = 0.0  # interquartile range of the measured step times / their median
+    load_per_core: float = 0.0  # the machine's 1-minute load average / CPU count, while measuring
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
