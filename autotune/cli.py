@@ -43,14 +43,18 @@ from autotune.study import (
     DEFAULT_STORAGE,
     STRATEGIES,
     Objective,
+    ResultNotStored,
     StudySettings,
     TrialCrashed,
     create_or_load,
     ensure_reference,
+    fail_running_trial,
     load_existing,
     make_sampler,
     settings_of,
+    storage_errors,
     workdir_for,
+    write_error_reason,
 )
 from autotune.units import budget_label, format_size, parse_size
 from trials.spec import TrialResult
@@ -106,9 +110,7 @@ def _optimize(
     strategy: str = "autotune",
 ) -> None:
     settings = settings_of(study)
-    runner = runner_for(
-        settings, SubprocessRunner(workdir_for(study.study_name), timeout_s=trial_timeout)
-    )
+    runner = runner_for(settings, SubprocessRunner(workdir_for(study), timeout_s=trial_timeout))
     objective = Objective(study, space, runner)
     # workers draw trials; queueing the reference is the job of run/resume. Predictions have
     # no loss curve, so an estimate study has no reference and no loss guard.
@@ -137,11 +139,18 @@ def _optimize(
             )
 
         objective.on_result = on_result
+        write_errors: tuple[type[BaseException], ...] = (ResultNotStored, *storage_errors())
         try:
             with _terminate_as_interrupt():
-                study.optimize(
-                    objective, n_trials=n_trials, timeout=timeout, catch=(TrialCrashed,)
-                )
+                study.optimize(objective, n_trials=n_trials, timeout=timeout, catch=(TrialCrashed,))
+        except write_errors as exc:
+            progress.stop()
+            err_console.print(
+                f"error: {_one_line(exc)}; {fail_running_trial(study, objective.current)}",
+                markup=False,
+                highlight=False,
+            )
+            sys.exit(1)
         except KeyboardInterrupt:
             progress.stop()
             err_console.print(
@@ -150,6 +159,12 @@ def _optimize(
                 f"--storage '{mask_url(storage_url)}'"
             )
             sys.exit(130)
+
+
+def _one_line(exc: BaseException) -> str:
+    if isinstance(exc, ResultNotStored):
+        return str(exc)
+    return f"could not write to the study's storage: {write_error_reason(exc)}"
 
 
 @contextlib.contextmanager

@@ -36,6 +36,11 @@ class Row:
     stderr_tail: str = ""
     retry_of: int | None = None  # the trial whose controller died, run again as this one
     rank_peaks: list[int] | None = None  # each rank's peak in a multi-process trial
+    construction_peak_bytes: int = 0  # while the model was built (before the first step)
+    training_peak_bytes: int = 0  # during the steps
+    oom_rank: int | None = None  # the rank that ran out of memory in a multi-process trial
+    capped: bool = False  # run without a budget and stopped by the physical card
+    pruned_by_estimate: bool = False  # an OOM predicted by the estimator, never run
 
     @property
     def feasible(self) -> bool:
@@ -95,6 +100,11 @@ def rows_of(study: optuna.Study) -> list[Row]:
                 stderr_tail=a.get("stderr_tail") or "",
                 retry_of=(t.system_attrs.get("retry_history") or [None])[-1],
                 rank_peaks=a.get("rank_peaks") or None,
+                construction_peak_bytes=int(a.get("construction_peak_bytes") or 0),
+                training_peak_bytes=int(a.get("training_peak_bytes") or 0),
+                oom_rank=a.get("oom_rank"),
+                capped=bool(a.get("capped", False)),
+                pruned_by_estimate=bool(a.get("pruned_by_estimate", False)),
             )
         )
     return rows
@@ -123,7 +133,11 @@ def select(study: optuna.Study) -> Selection:
     rows = rows_of(study)
     feasible = [r for r in rows if r.feasible and r.duplicate_of is None]
     winner = max(feasible, key=lambda r: r.tokens_per_s) if feasible else None
-    measured = [r for r in rows if r.status in ("ok", "oom") and r.peak_bytes > 0]
+    measured = [
+        r
+        for r in rows
+        if r.status in ("ok", "oom") and r.peak_bytes > 0 and not r.pruned_by_estimate
+    ]
     closest = None
     if winner is None and measured:
         closest = min(measured, key=lambda r: r.peak_bytes)

@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from autotune.errors import UserError
-from autotune.hardware import Hardware, unavailable_reason
+from autotune.hardware import Hardware, dimension_unavailable_reason, unavailable_reason
 from trials.techniques import ATTENTION, CHECKPOINTING, OPTIMIZERS, PRECISIONS
 
 Choice = str | int | float | bool
@@ -43,6 +43,9 @@ KNOWN_DIMENSIONS: dict[str, tuple[Choice, ...] | None] = {
     "allgather_bucket_size": None,
     "overlap_comm": (True, False),
     "contiguous_gradients": (True, False),
+    # the CUDA caching allocator's PYTORCH_CUDA_ALLOC_CONF=expandable_segments (less
+    # fragmentation, a lower reserved peak); the runner sets it per trial
+    "expandable_segments": (False, True),
 }
 
 #: YAML 1.1 reads bare yes/no/on/off as booleans, and 5e6 (no dot) as a string: accept both
@@ -170,6 +173,10 @@ class SearchSpace:
         dims = []
         present = {d.name for d in self.dimensions}
         for d in self.dimensions:
+            whole = dimension_unavailable_reason(hardware, d.name)
+            if whole:  # the dimension means nothing here: dropped whole, its choices with it
+                dropped.append(f"{d.name}: {whole}")
+                continue
             keep = []
             for c in d.choices:
                 if d.name == "micro_batch_size" and (
