@@ -420,7 +420,7 @@ def test_a_real_scaler_skip_is_counted() -> None:
     p = torch.nn.Parameter(torch.ones(3))
     opt = torch.optim.SGD([p], lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
-    (p.sum() * float("inf")).backward()
+    scaler.scale(p.sum() * float("inf")).backward()
     before = scaler.get_scale()
     scaler.step(opt)
     scaler.update()
