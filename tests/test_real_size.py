@@ -300,7 +300,9 @@ def test_two_studies_run_concurrently_keep_their_own_measurements(tmp_path: Path
         "open(sys.argv[2], 'w').write(TrialResult('ok', peak, 1.0, [1.0]).to_json())\n"
     )
     space = SearchSpace.from_dict(SPACE, "test")
-    studies = [_study(f"sqlite:///{tmp_path / n}.db", "same", b) for n, b in (("a", 10**9), ("b", 10**8))]
+    studies = [
+        _study(f"sqlite:///{tmp_path / n}.db", "same", b) for n, b in (("a", 10**9), ("b", 10**8))
+    ]
 
     def drive(study: optuna.Study) -> None:
         runner = ScriptRunner(tmp_path / workdir_for(study), code)
