@@ -278,6 +278,7 @@ def merge_ranks(results: list[TrialResult], n_ranks: int | None = None) -> Trial
                 oom_rank=first.oom_rank,
                 capped=first.capped,
                 alloc_conf=first.alloc_conf,
+                host_peak_bytes=sum(r.host_peak_bytes for r in results),
             )
     steps = min(len(r.losses) for r in results)
     return TrialResult(
@@ -293,4 +294,5 @@ def merge_ranks(results: list[TrialResult], n_ranks: int | None = None) -> Trial
         skipped_steps=max(r.skipped_steps for r in results),
         alloc_conf=worst.alloc_conf,
         device_memory=worst.device_memory,
+        host_peak_bytes=sum(r.host_peak_bytes for r in results),  # the ranks share one host
     )

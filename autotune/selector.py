@@ -41,6 +41,7 @@ class Row:
     oom_rank: int | None = None  # the rank that ran out of memory in a multi-process trial
     capped: bool = False  # run without a budget and stopped by the physical card
     pruned_by_estimate: bool = False  # an OOM predicted by the estimator, never run
+    host_peak_bytes: int = 0  # host memory: measured peak RSS, or predicted (estimate backend)
 
     @property
     def feasible(self) -> bool:
@@ -105,6 +106,7 @@ def rows_of(study: optuna.Study) -> list[Row]:
                 oom_rank=a.get("oom_rank"),
                 capped=bool(a.get("capped", False)),
                 pruned_by_estimate=bool(a.get("pruned_by_estimate", False)),
+                host_peak_bytes=int(a.get("host_peak_bytes") or 0),
             )
         )
     return rows

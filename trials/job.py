@@ -13,6 +13,7 @@ writes its result and exits at once, so torchrun stops the other ranks within se
 from __future__ import annotations
 
 import os
+import resource
 import sys
 import time
 import traceback
@@ -99,8 +100,23 @@ def run_trial(spec: TrialSpec) -> TrialResult:
             spec.global_batch_size * spec.seq_len, spec.measured_steps, skipped
         )
         peak = monitor.peak_bytes
+        host = host_peak_bytes()
+        if spec.host_budget_bytes is not None and host > spec.host_budget_bytes:
+            return TrialResult(
+                status="oom",
+                peak_bytes=peak,
+                host_peak_bytes=host,
+                error=f"host memory {host} B is over the host budget {spec.host_budget_bytes} B",
+                wall_s=time.perf_counter() - start,
+                construction_peak_bytes=monitor.construction_peak_bytes,
+                training_peak_bytes=monitor.training_peak_bytes,
+                oom_rank=rank,
+                alloc_conf=alloc_conf,
+                device_memory=monitor.extra(),
+            )
         return TrialResult(
             status="ok",
+            host_peak_bytes=host,
             peak_bytes=peak,
             tokens_per_s=tokens_done / elapsed if elapsed > 0 else 0.0,
             losses=losses,
@@ -125,9 +141,15 @@ def run_trial(spec: TrialSpec) -> TrialResult:
             training_peak_bytes=monitor.training_peak_bytes,
             oom_rank=rank,
             capped=capped(budget, "oom", spec.backend),
+            host_peak_bytes=host_peak_bytes(),
             alloc_conf=alloc_conf,
             device_memory=monitor.extra(),
         )
+
+
+def host_peak_bytes() -> int:
+    """This process's peak resident set size (Linux reports ``ru_maxrss`` in KiB)."""
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 def main(argv: list[str] | None = None) -> int:

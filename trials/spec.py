@@ -34,6 +34,7 @@ class TrialSpec:
     nproc: int = 1
     #: per-rank budget overrides, {"rank": bytes} (tests: one rank of several runs out)
     rank_budget_bytes: dict[str, int] = field(default_factory=dict)
+    host_budget_bytes: int | None = None  # host RAM this trial may use (all its ranks)
 
     def budget_for_rank(self, rank: int) -> int | None:
         return self.rank_budget_bytes.get(str(rank), self.budget_bytes)
@@ -75,6 +76,9 @@ class TrialResult:
     skipped_steps: int = 0  # measured fp16 steps the loss scaler skipped (not in tokens/s)
     alloc_conf: str = ""  # PYTORCH_CUDA_ALLOC_CONF the job ran with
     device_memory: dict[str, Any] = field(default_factory=dict)  # CUDA: reserved and card peaks
+    #: host memory: the job's peak resident set (ru_maxrss; all ranks of a host summed), or the
+    #: estimator's prediction on the estimate backend
+    host_peak_bytes: int = 0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
