@@ -52,14 +52,18 @@ from autotune.study import (
     GIVEN_OPTIONS,
     STRATEGIES,
     Objective,
+    ResultNotStored,
     StudySettings,
     TrialCrashed,
     create_or_load,
     ensure_reference,
+    fail_running_trial,
     load_existing,
     make_sampler,
     settings_of,
+    storage_errors,
     workdir_for,
+    write_error_reason,
 )
 from autotune.terminal import make_console, printable, shell_line
 from autotune.units import budget_label, format_size, parse_size
@@ -134,7 +138,7 @@ def _optimize(
     strategy: str = "autotune",
 ) -> None:
     settings = settings_of(study)
-    real = SubprocessRunner(workdir_for(study.study_name), timeout_s=trial_timeout)
+    real = SubprocessRunner(workdir_for(study), timeout_s=trial_timeout)
     runner = runner_for(settings, real)
     objective = Objective(study, space, runner, *_prober(settings, real))
     # workers draw trials; queueing the reference is the job of run/resume. Predictions have
@@ -164,9 +168,15 @@ def _optimize(
             )
 
         objective.on_result = on_result
+        write_errors: tuple[type[BaseException], ...] = (ResultNotStored, *storage_errors())
         try:
             with _terminate_as_interrupt():
                 study.optimize(objective, n_trials=n_trials, timeout=timeout, catch=(TrialCrashed,))
+        except write_errors as exc:
+            progress.stop()
+            # the machine's fault (a full disk, a lost database), not the input's: exit 1
+            fate = fail_running_trial(study, objective.current)
+            raise EnvironmentFailure(f"{_one_line(exc)}; {fate}") from None
         except KeyboardInterrupt:
             progress.stop()
             # plain echo, not rich: the command must stay one line, exactly as printed
@@ -208,6 +218,16 @@ def _confirm_finalists(study: optuna.Study, runner: SubprocessRunner, storage_ur
         sys.exit(130)
     if ran:
         console.print(f"re-measured the finalists within the noise of the best: {ran} runs")
+
+
+def _one_line(exc: BaseException) -> str:
+    """A write error of the optimize loop in words: the result, a trial folder, the storage."""
+    if isinstance(exc, ResultNotStored):
+        return str(exc)
+    if isinstance(exc, OSError):  # a trial folder or file (a full disk, a read-only folder)
+        where = f" {exc.filename}" if exc.filename else ""
+        return f"cannot write{where}: {exc.strerror or exc}"
+    return f"could not write to the study's storage: {write_error_reason(exc)}"
 
 
 def resume_hint(study_name: str, storage_url: str, *extra: str) -> str:

@@ -29,6 +29,7 @@ SHORT: dict[str, Callable[[Any], str]] = {
     "allgather_bucket_size": lambda v: f"ag={v:.0e}",
     "overlap_comm": lambda v: "overlap" if v else "",
     "contiguous_gradients": lambda v: "" if v else "noncontig",
+    "expandable_segments": lambda v: "expseg" if v else "",
 }
 
 
@@ -39,6 +40,24 @@ def _peak_cell(row: Row) -> str:
         each = "/".join(f"{p / 2**20:.0f}" for p in row.rank_peaks)
         return f"{format_size(row.peak_bytes)} ({each} MiB)"
     return format_size(row.peak_bytes)
+
+
+def _build_cell(row: Row) -> str:
+    """The construction peak (model built and wrapped, before the first step)."""
+    return format_size(row.construction_peak_bytes) if row.construction_peak_bytes else "-"
+
+
+def status_text(row: Row) -> str:
+    """The status with what sets it apart: a predicted OOM (never run), the rank that ran out,
+    a run without budget stopped by the card, a deterministic failure (never run again)."""
+    text = row.status
+    if row.status == "oom" and row.pruned_by_estimate:
+        text = "oom (predicted)"
+    elif row.status == "oom" and row.capped:
+        text = "oom (card)"
+    elif row.status == "oom" and row.oom_rank is not None and row.rank_peaks:
+        text = f"oom (rank {row.oom_rank})"
+    return text
 
 
 def describe(config: dict[str, Any]) -> str:
@@ -74,6 +93,7 @@ def results_table(sel: Selection, title: str = "trials") -> Table:
     table.add_column("config", overflow="fold", max_width=40)
     table.add_column("class")
     table.add_column("status")
+    table.add_column("build", justify="right")
     table.add_column("peak", justify="right")
     table.add_column("tok/s", justify="right")
     table.add_column("loss", justify="right")
@@ -82,7 +102,7 @@ def results_table(sel: Selection, title: str = "trials") -> Table:
         table.add_column("host", justify="right")
     for r in sel.rows:
         style = STATUS_STYLE.get(r.status, "")
-        status = f"[{style}]{r.status}[/{style}]" if style else r.status
+        status = f"[{style}]{status_text(r)}[/{style}]" if style else status_text(r)
         if r.duplicate_of is not None:
             status += f" (=#{r.duplicate_of})"
         if r.retry_of is not None:
@@ -93,6 +113,7 @@ def results_table(sel: Selection, title: str = "trials") -> Table:
             describe(r.config),
             r.fidelity,
             status,
+            _build_cell(r),
             _peak_cell(r),
             f"{r.tokens_per_s:,.0f}" if r.status == "ok" else "-",
             _loss_cell(r),

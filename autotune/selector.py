@@ -88,6 +88,11 @@ class Row:
     load_per_core: float = 0.0
     #: tokens/s of interleaved re-measurements of this configuration (finalists only)
     remeasured: list[float] = field(default_factory=list)
+    construction_peak_bytes: int = 0  # while the model was built (before the first step)
+    training_peak_bytes: int = 0  # during the steps
+    oom_rank: int | None = None  # the rank that ran out of memory in a multi-process trial
+    capped: bool = False  # run without a budget and stopped by the physical card
+    pruned_by_estimate: bool = False  # an OOM predicted by the estimator, never run
 
     @property
     def feasible(self) -> bool:
@@ -215,6 +220,11 @@ def rows_of(study: optuna.Study) -> list[Row]:
                 step_spread=float(a.get("step_spread") or 0.0),
                 load_per_core=float(a.get("load_per_core") or 0.0),
                 remeasured=[float(x) for x in remeasured.get(str(t.number), [])],
+                construction_peak_bytes=int(a.get("construction_peak_bytes") or 0),
+                training_peak_bytes=int(a.get("training_peak_bytes") or 0),
+                oom_rank=a.get("oom_rank"),
+                capped=bool(a.get("capped", False)),
+                pruned_by_estimate=bool(a.get("pruned_by_estimate", False)),
             )
         )
     return rows
@@ -268,7 +278,11 @@ def select(study: optuna.Study) -> Selection:
         )
     # the most faithful group that has a feasible configuration gives the headline winner
     winner = next((c.winner for c in classes.values() if c.winner is not None), None)
-    measured = [r for r in rows if r.status in ("ok", "oom") and r.peak_bytes > 0]
+    measured = [
+        r
+        for r in rows
+        if r.status in ("ok", "oom") and r.peak_bytes > 0 and not r.pruned_by_estimate
+    ]
     closest = None
     if winner is None and measured:
         closest = min(measured, key=lambda r: r.peak_bytes)

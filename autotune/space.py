@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from autotune.errors import UserError
-from autotune.hardware import Hardware, unavailable_reason
+from autotune.hardware import Hardware, dimension_unavailable_reason, unavailable_reason
 from autotune.yaml_limits import load_yaml, parse_yaml
 from trials.techniques import (
     ATTENTION,
@@ -49,6 +49,9 @@ KNOWN_DIMENSIONS: dict[str, tuple[Choice, ...] | None] = {
     "allgather_bucket_size": None,
     "overlap_comm": (True, False),
     "contiguous_gradients": (True, False),
+    # the CUDA caching allocator's PYTORCH_CUDA_ALLOC_CONF=expandable_segments (less
+    # fragmentation, a lower reserved peak); the runner sets it per trial
+    "expandable_segments": (False, True),
 }
 
 #: YAML 1.1 reads bare yes/no/on/off as booleans, and 5e6 (no dot) as a string: accept both
@@ -178,6 +181,10 @@ class SearchSpace:
         dims = []
         present = {d.name for d in self.dimensions}
         for d in self.dimensions:
+            whole = dimension_unavailable_reason(hardware, d.name)
+            if whole:  # the dimension means nothing here: dropped whole, its choices with it
+                dropped.append(f"{d.name}: {whole}")
+                continue
             keep = []
             for c in d.choices:
                 if d.name == "micro_batch_size" and (

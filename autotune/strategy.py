@@ -94,7 +94,9 @@ def needs_no_less_memory(candidate: Config, known_oom: Config) -> bool:
 @dataclass
 class Observation:
     config: Config
-    status: str  # ok | oom
+    #: ok | oom (measured) | predicted_oom (the pre-screen's: never run, implies nothing about
+    #: other configurations) | failed (deterministic: never proposed again) | running
+    status: str
     peak_bytes: float
     tokens_per_s: float
     #: relative loss regression against the reference (None: not measured)
@@ -105,13 +107,16 @@ def observations(study: optuna.Study) -> list[Observation]:
     out = []
     for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
         a = t.user_attrs
-        if "config" not in a or a.get("status") not in ("ok", "oom"):
+        if "config" not in a or a.get("status") not in ("ok", "oom", "failed"):
             continue
+        status = a["status"]
+        if status == "oom" and a.get("pruned_by_estimate"):
+            status = "predicted_oom"
         regression = a.get("loss_regression")
         out.append(
             Observation(
                 a["config"],
-                a["status"],
+                status,
                 float(a.get("peak_bytes") or 0.0),
                 float(a.get("tokens_per_s") or 0.0),
                 float(regression) if regression is not None else None,

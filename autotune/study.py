@@ -8,8 +8,10 @@ FAIL, with its reason stored on the trial.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
+import uuid
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -140,6 +142,9 @@ def create_or_load(
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 study.set_metric_names(["tokens_per_s", "peak_mib"])
+            # before the settings: a process joining this study waits for the settings, so it
+            # finds the folder id too and shares the study's folders
+            study.set_user_attr(FOLDER_ID_ATTR, uuid.uuid4().hex[:12])
             study.set_user_attr("settings", settings.to_attrs())
             return study
     study = optuna.load_study(study_name=name, storage=storage)
@@ -312,11 +317,70 @@ _RESULT_ATTRS = (
     "memory_breakdown",
     "stderr_tail",
     "rank_peaks",
+    "construction_peak_bytes",
+    "training_peak_bytes",
+    "oom_rank",
+    "capped",
+    "skipped_steps",
+    "alloc_conf",
+    "device_memory",
     "host_peak_bytes",
     "step_time_s",
     "step_spread",
     "load_per_core",
 )
+
+
+def deterministic_failure(result: TrialResult) -> bool:
+    """A failure the same configuration would hit again (an exception in the job, an
+    unsupported combination, a crash), unlike a time limit, which a busy machine can cause."""
+    return result.status == "failed" and not result.error.startswith("timed out")
+
+
+class ResultNotStored(Exception):
+    """The trial ran but its result could not be written to the storage (a full disk, a lost
+    database): the trial is marked failed where the storage still allows it."""
+
+    def __init__(self, number: int, reason: str) -> None:
+        super().__init__(f"could not store trial {number}'s result: {reason}")
+        self.number = number
+
+
+def storage_errors() -> tuple[type[BaseException], ...]:
+    """What a failed write to the study's storage raises (SQLAlchemy wraps the driver's)."""
+    from optuna.exceptions import StorageInternalError
+    from sqlalchemy.exc import SQLAlchemyError
+
+    return (SQLAlchemyError, StorageInternalError, OSError)
+
+
+def write_error_reason(exc: BaseException) -> str:
+    """The driver's own words (``database or disk is full``) under Optuna's and SQLAlchemy's
+    wrappers: the first line of the innermost cause."""
+    inner: BaseException = exc
+    while inner.__cause__ is not None or inner.__context__ is not None:
+        inner = inner.__cause__ or inner.__context__  # type: ignore[assignment]
+    text = str(inner).strip().splitlines()
+    return (text[0] if text else type(inner).__name__)[:300]
+
+
+def fail_running_trial(study: optuna.Study, number: int | None, attempts: int = 3) -> str:
+    """After a write error: mark trial ``number`` failed if it is still RUNNING (Optuna itself
+    tries first); say what became of it, in words for the one line the command ends with."""
+    if number is None:
+        return "no trial was running"
+    for attempt in range(attempts):
+        try:
+            state = study.get_trials(deepcopy=False)[number].state
+            if state == TrialState.RUNNING:
+                study.tell(number, state=TrialState.FAIL)
+            return f"trial {number} is marked failed"
+        except storage_errors():
+            time.sleep(0.5 * (attempt + 1))
+    return (
+        f"trial {number} could not be marked failed either; the next `autotune resume` fails it "
+        "once its heartbeat has expired"
+    )
 
 
 class Objective:
@@ -337,8 +401,10 @@ class Objective:
         self.prober = prober  # lossy numerics are judged on a proxy (autotune/lossguard.py)
         self.no_probe_why = no_probe_why
         self.on_result: Callable[[FrozenTrial | optuna.Trial, TrialResult], None] | None = None
+        self.current: int | None = None  # the number of the trial being run
 
     def __call__(self, trial: optuna.Trial) -> tuple[float, float]:
+        self.current = trial.number
         config = self.space.sample(trial.suggest_categorical)  # type: ignore[arg-type]
         trial.set_user_attr("config", config)
         trial.set_user_attr("fidelity", fidelity_class(config))
@@ -380,15 +446,26 @@ class Objective:
             ):
                 result.status = "oom"
                 result.error = f"{role} ran unbounded; its peak is over the budget"
-        for key in _RESULT_ATTRS:
-            trial.set_user_attr(key, getattr(result, key))
-        for key, value in self.runner.attrs_for(result).items():
-            trial.set_user_attr(key, value)
+        try:
+            for key in _RESULT_ATTRS:
+                trial.set_user_attr(key, getattr(result, key))
+            for key, value in self.runner.attrs_for(result).items():
+                trial.set_user_attr(key, value)
+        except storage_errors() as exc:
+            reason = write_error_reason(exc)
+            with contextlib.suppress(*storage_errors()):  # as much as the storage still takes
+                trial.set_user_attr("status", "failed")
+                trial.set_user_attr("error", f"result not stored: {reason}")
+            raise ResultNotStored(trial.number, reason) from exc
         if self.on_result:
             self.on_result(trial, result)
-        if result.status == "failed":
+        if result.status == "failed" and not deterministic_failure(result):
             raise TrialCrashed(result.error)
-
+        if result.status == "failed":
+            # The same configuration would fail again: a completed trial that violates the
+            # ``failed`` constraint, so every sampler sees it as infeasible and autotune's never
+            # proposes it again (an identical proposal reuses this result: find_duplicate).
+            return self._constrain(trial, memory=0.0, loss=0.0, failed=1.0, result=result)
         if is_reference and result.losses:
             self.study.set_user_attr("reference_losses", result.losses)
             self.study.set_user_attr("reference_trial", trial.number)
@@ -422,28 +499,39 @@ class Objective:
             and verdict.tolerance is not None
             else 0.0
         )
+        return self._constrain(
+            trial, memory=over, loss=min(loss_violation, 1e6), failed=0.0, result=result
+        )
+
+    def _constrain(
+        self, trial: optuna.Trial, *, memory: float, loss: float, failed: float, result: TrialResult
+    ) -> tuple[float, float]:
         # <= 0 is feasible; the sampler reads these from the trial (Optuna's set_constraint)
-        constraints = {"memory": over, "loss": min(loss_violation, 1e6)}
+        constraints = {"memory": memory, "loss": loss, "failed": failed}
         for name, value in constraints.items():
             trial.set_constraint(name, value)
         # optuna-dashboard (0.21) shows only the old list format of constraints: a copy as a
         # user attr makes feasibility visible there without counting any constraint twice
         trial.set_user_attr("constraints", constraints)
-        return result.tokens_per_s, result.peak_bytes / MIB
+        peak = result.peak_bytes or (self.settings.budget_bytes if failed > 0 else 0)
+        return result.tokens_per_s, peak / MIB
 
 
 def _autotune_sampler(
     study: optuna.Study, space: SearchSpace, seed: int
 ) -> optuna.samplers.BaseSampler:
+    from autotune.hardware import detected_gpu_key
     from autotune.strategy import AutotuneSampler, analytical_predictor
 
     s = settings_of(study)
+    # on a real GPU the prior is that GPU's spec (a card the table lacks keeps the nominal one)
+    gpu_key = s.target_gpu or (detected_gpu_key() if s.backend == "cuda" else None)
     predict = analytical_predictor(
         s.model_config,
         seq_len=s.seq_len,
         global_batch_size=s.global_batch_size,
         nproc=s.nproc,
-        gpu_key=s.target_gpu or None,
+        gpu_key=gpu_key,
     )
     return AutotuneSampler(
         space.grid(), predict, s.budget_bytes, seed=seed, loss_tolerance=s.loss_tolerance
@@ -484,6 +572,17 @@ def make_sampler(
     return STRATEGIES[strategy](study, space, seed + n_done + salt)
 
 
-def workdir_for(study_name: str) -> Path:
-    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", study_name)
-    return Path("autotune_runs") / safe
+#: study user attr: a random id made once per study, which names its trial folders
+FOLDER_ID_ATTR = "folder_id"
+
+
+def workdir_for(study: optuna.Study, root: Path = Path("autotune_runs")) -> Path:
+    """The study's trial folders: ``<root>/<name>-<id>``, the id random and kept with the study,
+    so two databases holding a study of the same name, or names that read alike once made
+    safe for a path, never share folders (nor read each other's results)."""
+    folder_id = study.user_attrs.get(FOLDER_ID_ATTR)
+    if not folder_id:
+        folder_id = uuid.uuid4().hex[:12]
+        study.set_user_attr(FOLDER_ID_ATTR, folder_id)
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", study.study_name)
+    return root / f"{safe}-{folder_id}"
