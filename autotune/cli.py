@@ -34,8 +34,16 @@ from autotune.estimator.gpus import gpu_spec
 from autotune.export import EXPORTERS, export
 from autotune.hardware import Hardware
 from autotune.ladder import ladder_cells, run_ladder
+from autotune.launchers import (
+    Adoption,
+    SlurmRunner,
+    adopt,
+    concurrency,
+    launcher_attrs,
+    launcher_options,
+    make_runner,
+)
 from autotune.models import resolve_model
-from autotune.runner import SubprocessRunner
 from autotune.selector import select, selection_json
 from autotune.space import SearchSpace
 from autotune.storage import mask_url, open_storage
@@ -106,10 +114,17 @@ def _optimize(
     strategy: str = "autotune",
 ) -> None:
     settings = settings_of(study)
-    runner = runner_for(
-        settings, SubprocessRunner(workdir_for(study.study_name), timeout_s=trial_timeout)
-    )
+    launched = make_runner(settings.launcher, workdir_for(study.study_name), trial_timeout)
+    runner = runner_for(settings, launched)
     objective = Objective(study, space, runner)
+    # Slurm jobs a previous controller left running are collected into their trials
+    adopted = (
+        adopt(study, open_storage(storage_url), Objective(study, space, runner), TrialCrashed)
+        if isinstance(launched, SlurmRunner)
+        else Adoption()
+    )
+    for number in adopted.numbers:
+        console.print(f"collecting trial #{number}: its Slurm job is still known to the cluster")
     # workers draw trials; queueing the reference is the job of run/resume. Predictions have
     # no loss curve, so an estimate study has no reference and no loss guard.
     if not worker and settings.backend != "estimate":
@@ -137,11 +152,18 @@ def _optimize(
             )
 
         objective.on_result = on_result
+        stopping = launched.stopping if isinstance(launched, SlurmRunner) else None
         try:
-            with _terminate_as_interrupt():
-                study.optimize(
-                    objective, n_trials=n_trials, timeout=timeout, catch=(TrialCrashed,)
-                )
+            with _terminate_as_interrupt(stopping):
+                if n_trials:
+                    study.optimize(
+                        objective,
+                        n_trials=n_trials,
+                        timeout=timeout,
+                        catch=(TrialCrashed,),
+                        n_jobs=concurrency(settings.launcher),
+                    )
+                adopted.join()
         except KeyboardInterrupt:
             progress.stop()
             err_console.print(
@@ -153,20 +175,25 @@ def _optimize(
 
 
 @contextlib.contextmanager
-def _terminate_as_interrupt() -> Iterator[None]:
-    """SIGTERM (``kill``, a scheduler's stop) ends trials as cleanly as Ctrl-C does."""
+def _terminate_as_interrupt(stopping: threading.Event | None = None) -> Iterator[None]:
+    """SIGTERM (``kill``, a scheduler's stop) ends trials as cleanly as Ctrl-C does; both set
+    ``stopping``, which tells trials waiting in other threads (Slurm jobs) to cancel theirs."""
 
     def interrupt(signum: int, frame: object) -> None:
+        if stopping is not None:
+            stopping.set()
         raise KeyboardInterrupt
 
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     previous = signal.signal(signal.SIGTERM, interrupt)
+    previous_int = signal.signal(signal.SIGINT, interrupt)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
 
 
 def _report(study: optuna.Study, storage_url: str) -> None:
@@ -243,6 +270,17 @@ def _report(study: optuna.Study, storage_url: str) -> None:
     default=None,
     help="CUDA: run each trial on N GPUs (torchrun, nccl); the budget is per GPU.",
 )
+@click.option(
+    "--nodes",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Nodes each trial spans (torchrun agents meeting through c10d rendezvous); with "
+    "--gpus-per-node (CUDA, estimate) or --nproc-per-node (CPU).",
+)
+@click.option("--gpus-per-node", type=click.IntRange(min=1), default=None)
+@click.option("--nproc-per-node", type=click.IntRange(min=1), default=None)
+@launcher_options
 def run(
     model: str,
     budget: str,
@@ -262,6 +300,15 @@ def run(
     ladder: bool,
     nproc: int | None,
     gpus: int | None,
+    nodes: int,
+    gpus_per_node: int | None,
+    nproc_per_node: int | None,
+    launcher: str | None,
+    partition: str | None,
+    account: str | None,
+    slurm_time: str | None,
+    in_flight: int | None,
+    sbatch_options: tuple[str, ...],
 ) -> None:
     """Run (or continue) a study of real training trials (or of predictions, without a GPU)."""
     budget_bytes = parse_size(budget)
@@ -269,7 +316,12 @@ def run(
     space = SearchSpace.load(space_path)
     hardware = Hardware.detect(None if backend in ("auto", "estimate") else backend)
     if hardware.backend == "cuda" and not _cuda_available():
-        raise UserError("--backend cuda: no CUDA GPU is visible to torch here")
+        if launcher != "slurm" or gpu is None:
+            raise UserError(
+                "--backend cuda: no CUDA GPU is visible to torch here"
+                + ("; with --launcher slurm name the nodes' GPU with --gpu" if launcher else "")
+            )
+        hardware = hardware_for(gpu_spec(gpu), gpus_per_node or gpus or 1)
     gpu_target = None
     if backend == "estimate" or (
         backend == "auto" and hardware.backend == "cpu" and entry.n_params > MAX_CPU_TRIAL_PARAMS
@@ -279,7 +331,7 @@ def run(
             console.print(f"[bold yellow]{banner(entry.name, entry.n_params, gpu_target)}[/]")
         if space_path is None:
             space = estimate_space()
-        hardware = hardware_for(gpu_target)
+        hardware = hardware_for(gpu_target, gpus_per_node or gpus or 1)
         n_trials = n_trials or ESTIMATE_TRIALS
     elif hardware.backend == "cpu" and entry.n_params > MAX_CPU_TRIAL_PARAMS:
         raise UserError(
@@ -288,7 +340,32 @@ def run(
             "small model"
         )
     n_trials = n_trials or 12
-    ranks = _ranks(nproc, gpus, hardware) if gpu_target is None else 1
+    per_node = _per_node(nodes, nproc, gpus, nproc_per_node, gpus_per_node, hardware, gpu_target)
+    launcher_settings = (
+        {"name": "local"}
+        if gpu_target
+        else launcher_attrs(
+            {},
+            launcher,
+            partition,
+            account,
+            slurm_time,
+            in_flight,
+            sbatch_options,
+            gpus_per_node=per_node if hardware.backend == "cuda" else 0,
+        )
+    )
+    if (
+        gpu_target is None
+        and nodes > 1
+        and hardware.backend == "cuda"
+        and (launcher_settings["name"] == "local")
+    ):
+        raise UserError(
+            f"--nodes {nodes} on CUDA: nodes are the cluster's; use --launcher slurm "
+            "(the local launcher simulates nodes with CPU processes only)"
+        )
+    ranks = nodes * per_node
     gbs = global_batch_size or entry.global_batch_size
     resolved = space.resolve(gbs, hardware)
     settings = StudySettings(
@@ -304,6 +381,8 @@ def run(
         loss_tolerance=loss_tolerance,
         seed=seed,
         nproc=ranks,
+        nodes=nodes,
+        launcher=launcher_settings,
     )
     name = study_name or settings.default_study_name()
     study = create_or_load(open_storage(storage), name, settings)
@@ -346,6 +425,41 @@ def _climb(study: optuna.Study, trial_timeout: float, storage_url: str) -> None:
         console.print(f"[yellow]the winner is now trial {winner.number}[/yellow]")
 
 
+def _per_node(
+    nodes: int,
+    nproc: int | None,
+    gpus: int | None,
+    nproc_per_node: int | None,
+    gpus_per_node: int | None,
+    hardware: Hardware,
+    gpu_target: Any,
+) -> int:
+    """Ranks on each node: --gpus-per-node (CUDA, estimate) or --nproc-per-node (CPU); with one
+    node, --gpus N / --nproc N say the same."""
+    for one, per in (("--gpus", gpus), ("--nproc", nproc)):
+        if per is not None and nodes > 1:
+            raise UserError(f"{one} is for one node; with --nodes {nodes} use {one}-per-node")
+    if gpu_target is not None:  # the estimate backend: GPUs of the target machine
+        if nproc_per_node is not None or nproc is not None:
+            raise UserError("--nproc/--nproc-per-node are for CPU trials; the estimate backend "
+                            "plans GPUs: use --gpus-per-node")  # fmt: skip
+        return gpus_per_node or gpus or 1
+    if gpus_per_node is not None and hardware.backend != "cuda":
+        raise UserError("--gpus-per-node needs the cuda backend; on the CPU use --nproc-per-node")
+    if nproc_per_node is not None and hardware.backend == "cuda":
+        raise UserError("--nproc-per-node is for CPU trials; on CUDA use --gpus-per-node")
+    per = gpus_per_node or nproc_per_node
+    if nodes > 1 and per is None:
+        raise UserError(f"--nodes {nodes}: say how many ranks each node runs with "
+                        "--gpus-per-node G (CUDA) or --nproc-per-node P (CPU)")  # fmt: skip
+    if per is not None and (gpus is not None or nproc is not None):
+        raise UserError("give either --gpus/--nproc or --nodes with --gpus-per-node/"
+                        "--nproc-per-node, not both")  # fmt: skip
+    if per is not None:
+        return per
+    return _ranks(nproc, gpus, hardware)
+
+
 def _ranks(nproc: int | None, gpus: int | None, hardware: Hardware) -> int:
     """Processes per trial: --gpus N on CUDA, --nproc N on the CPU."""
     if gpus is not None and hardware.backend != "cuda":
@@ -377,6 +491,7 @@ def _cuda_available() -> bool:
 @trial_timeout_option
 @timeout_option
 @click.option("--ladder", is_flag=True, help="Then measure the missing rungs of the ladder.")
+@launcher_options
 def resume(
     study_name: str,
     n_trials: int,
@@ -384,12 +499,16 @@ def resume(
     trial_timeout: float,
     timeout: float | None,
     ladder: bool,
+    **launcher: Any,
 ) -> None:
-    """Continue a study by name with its stored settings."""
+    """Continue a study by name with its stored settings (and its launcher, unless given).
+
+    Slurm jobs that a stopped controller left queued or running are collected into their
+    trials (``--trials 0``: only that)."""
     study = load_existing(open_storage(storage, must_exist=True), study_name)
-    settings = settings_of(study)
+    settings = _relaunch(study, launcher)
     console.print(f"resuming study '{study_name}': {len(study.trials)} trials so far")
-    if n_trials:
+    if n_trials or settings.launcher.get("name") == "slurm":
         _optimize(
             study,
             SearchSpace.from_dict(settings.space, "study"),
@@ -416,8 +535,14 @@ def resume(
 )
 @trial_timeout_option
 @timeout_option
+@launcher_options
 def worker(
-    study_name: str, storage: str, n_trials: int, trial_timeout: float, timeout: float | None
+    study_name: str,
+    storage: str,
+    n_trials: int,
+    trial_timeout: float,
+    timeout: float | None,
+    **launcher: Any,
 ) -> None:
     """Draw trials from an existing study; run one per machine, or several, at once.
 
@@ -425,8 +550,12 @@ def worker(
     storage (PostgreSQL across machines; SQLite for workers on one machine).
     """
     study = load_existing(open_storage(storage, must_exist=True), study_name)
-    settings = settings_of(study)
-    if settings.backend == "cuda" and not _cuda_available():
+    settings = _relaunch(study, launcher)
+    if (
+        settings.backend == "cuda"
+        and settings.launcher.get("name") != "slurm"
+        and not (_cuda_available())
+    ):
         raise UserError(
             f"study '{study_name}' measures on CUDA GPUs and this machine has no CUDA GPU "
             "visible: run its workers where the GPUs are"
@@ -445,6 +574,19 @@ def worker(
         worker=True,
     )
     _report(study, storage)
+
+
+def _relaunch(study: optuna.Study, given: dict[str, Any]) -> StudySettings:
+    """The study's settings with its launcher changed by the options given to this command."""
+    settings = settings_of(study)
+    if settings.backend == "estimate":
+        return settings
+    gpus = settings.nproc // settings.nodes if settings.backend == "cuda" else 0
+    attrs = launcher_attrs(settings.launcher, gpus_per_node=gpus, **given)
+    if attrs != settings.launcher:
+        settings.launcher = attrs
+        study.set_user_attr("settings", settings.to_attrs())
+    return settings
 
 
 @main.command()

@@ -99,6 +99,8 @@ def confirm_winner(study: optuna.Study, settings: StudySettings, console: Consol
     if sel.winner is None:
         return
     gpu = gpu_spec(settings.target_gpu)
+    if settings.nodes > 1:  # ZeRO's collectives cross the nodes' network
+        gpu = gpu.spanning(settings.nodes, settings.nproc // settings.nodes)
     kw: dict[str, Any] = {
         "seq_len": settings.seq_len,
         "global_batch_size": settings.global_batch_size,
@@ -147,6 +149,13 @@ def _load_config(path: str) -> dict[str, Any]:
 )
 @click.option("--config", "config_path", default=None, help="YAML/JSON file of one configuration.")
 @click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option(
+    "--nodes",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Nodes the --nproc GPUs span (ZeRO's collectives then cross the nodes' network).",
+)
 @click.option("--seq-len", type=click.IntRange(min=8), default=None)
 @click.option("--global-batch-size", type=click.IntRange(min=1), default=None)
 @click.option("--top", type=click.IntRange(min=1), default=3, show_default=True)
@@ -156,6 +165,7 @@ def estimate_cmd(
     gpu: str | None,
     config_path: str | None,
     nproc: int,
+    nodes: int,
     seq_len: int | None,
     global_batch_size: int | None,
     top: int,
@@ -166,7 +176,11 @@ def estimate_cmd(
     console = Console(width=110)
     budget_bytes = parse_size(budget)
     entry = resolve_model(model)
+    if nproc % nodes:
+        raise UserError(f"--nproc {nproc} GPUs do not split evenly over --nodes {nodes}")
     spec = target_gpu(gpu, budget_bytes)
+    if nodes > 1:
+        spec = spec.spanning(nodes, nproc // nodes)
     kw: dict[str, Any] = {
         "seq_len": seq_len or entry.seq_len,
         "global_batch_size": global_batch_size or entry.global_batch_size,

@@ -15,7 +15,7 @@ import sys
 import time
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from trials.lifeline import CONTROLLER_ENV
 from trials.spec import TrialResult, TrialSpec, rank_result_path
@@ -34,6 +34,20 @@ class TrialRunner(ABC):
     def attrs_for(self, result: TrialResult) -> dict[str, Any]:
         """Extra user attrs for the trial (e.g. ``predicted`` for estimator-backed runners)."""
         return {}
+
+    def run_for(self, trial: TrialAttrs, spec: TrialSpec, name: str) -> TrialResult:
+        """``run`` for a trial of a study; a runner that keeps state on the trial (a Slurm job
+        id, so that a restarted controller collects the job) overrides this."""
+        return self.run(spec, name)
+
+
+class TrialAttrs(Protocol):
+    """The user attrs of a running trial (an ``optuna.Trial``)."""
+
+    @property
+    def user_attrs(self) -> dict[str, Any]: ...
+
+    def set_user_attr(self, key: str, value: Any) -> None: ...
 
 
 def _tail(path: Path, lines: int = STDERR_TAIL_LINES) -> str:
@@ -75,6 +89,10 @@ class SubprocessRunner(TrialRunner):
         """``command``, through torchrun when the trial has several ranks (one machine, no
         ssh/pdsh: ``--standalone`` picks a free rendezvous port)."""
         cmd = self.command(spec_path, result_path)
+        if spec.nodes > 1:  # N torchrun agents meeting through c10d (autotune.agents)
+            per_node = spec.nproc // spec.nodes
+            return [cmd[0], "-m", "autotune.agents", f"--nodes={spec.nodes}",
+                    f"--nproc-per-node={per_node}", "--", *cmd[2:]]  # fmt: skip
         if spec.nproc <= 1:
             return cmd
         return [
@@ -138,6 +156,12 @@ class SubprocessRunner(TrialRunner):
                     f"rank's result\n{result.stderr_tail}"
                 )
             return result
+        ran_out = [r for r in map(TrialResult.load, filter(Path.is_file, rank_paths))
+                   if r.status == "oom"]  # fmt: skip
+        if ran_out:  # one rank's OOM ended the trial; the others were stopped
+            result = merge_ranks(ran_out)
+            result.stderr_tail = _tail(stderr_path)
+            return result
         return TrialResult(
             status="failed",
             error=f"trial job crashed: {_describe_exit(code)}",
@@ -152,7 +176,7 @@ def merge_ranks(results: list[TrialResult]) -> TrialResult:
     if len(results) == 1:
         return results[0]
     worst = max(results, key=lambda r: r.peak_bytes)
-    for status in ("failed", "oom"):
+    for status in ("oom", "failed"):  # an OOM makes the other ranks fail: it is the cause
         bad = [r for r in results if r.status == status]
         if bad:
             return TrialResult(

@@ -49,7 +49,11 @@ class StudySettings:
     measured_steps: int = 2
     seed: int = 0
     lr: float = 3e-3
-    nproc: int = 1
+    nproc: int = 1  # ranks per trial, in all
+    nodes: int = 1  # nodes a trial spans (``nproc / nodes`` ranks on each)
+    #: how trials start (``autotune.launchers``): {"name": "local"|"slurm", options...}; not
+    #: part of the identity: the same study may be continued through another launcher
+    launcher: dict[str, Any] = field(default_factory=dict)
     target_gpu: str = ""  # backend "estimate": the GPU the predictions are for (gpus.GPUS key)
     #: keys that must match to add trials to an existing study
     identity: tuple[str, ...] = field(
@@ -61,12 +65,15 @@ class StudySettings:
             "global_batch_size",
             "space",
             "nproc",
+            "nodes",
         ),
         repr=False,
     )
 
     def default_study_name(self) -> str:
         ranks = f"-x{self.nproc}" if self.nproc > 1 else ""
+        if self.nodes > 1:
+            ranks = f"-{self.nodes}x{self.nproc // self.nodes}"
         return f"{self.model}-{self.budget_label}-{self.backend}{ranks}"
 
     def to_attrs(self) -> dict[str, Any]:
@@ -92,6 +99,7 @@ class StudySettings:
             seed=self.seed,
             lr=self.lr,
             nproc=self.nproc,
+            nodes=self.nodes,
         )
 
 
@@ -282,8 +290,8 @@ class Objective:
             # and is judged against the budget afterwards.
             budget = None if unbounded else self.settings.budget_bytes
             try:
-                result = self.runner.run(
-                    self.settings.spec(config, budget), f"trial-{trial.number}"
+                result = self.runner.run_for(
+                    trial, self.settings.spec(config, budget), f"trial-{trial.number}"
                 )
             except KeyboardInterrupt:  # the runner has killed the job; say so on the trial
                 trial.set_user_attr("status", "failed")
@@ -350,6 +358,7 @@ def _autotune_sampler(
         global_batch_size=s.global_batch_size,
         nproc=s.nproc,
         gpu_key=s.target_gpu or None,
+        nodes=s.nodes,
     )
     return AutotuneSampler(
         space.grid(), predict, s.budget_bytes, seed=seed, loss_tolerance=s.loss_tolerance

@@ -26,6 +26,12 @@ from trials.quantization import QUANTIZATION
 from trials.spec import TrialResult, TrialSpec, rank_result_path
 from trials.techniques import ATTENTION, CHECKPOINTING
 
+#: exit code of a rank that wrote an ``oom`` or ``failed`` result in a multi-rank trial
+RANK_FAILED_EXIT = 3
+#: tests only: ``RANK:BYTES`` gives one rank another budget, so that only that rank runs out of
+#: memory (a node with a smaller device, as far as the trial can tell)
+RANK_BUDGET_ENV = "AUTOTUNE_TEST_RANK_BUDGET"
+
 
 def build_model(model_config: dict[str, Any], attention: str, seed: int) -> nn.Module:
     """A transformers causal LM from a config dict, randomly initialised with ``seed``."""
@@ -108,12 +114,22 @@ def main(argv: list[str] | None = None) -> int:
     spec_path, result_path = Path(args[0]), Path(args[1])
     start_lifeline()
     try:
-        result = run_trial(TrialSpec.load(spec_path))
+        spec = TrialSpec.load(spec_path)
+        override = os.environ.get(RANK_BUDGET_ENV, "")
+        if override and spec.budget_bytes is not None:
+            rank_str, _, budget = override.partition(":")
+            if int(rank_str) == world()[0]:
+                spec.budget_bytes = int(budget)
+        result = run_trial(spec)
     except Exception as exc:  # a trial's failure is data for the study, not a crash of the job
         traceback.print_exc()
         result = TrialResult(status="failed", error=f"{type(exc).__name__}: {exc}"[:2000])
     rank, n_ranks = world()
     rank_result_path(result_path, rank, n_ranks).write_text(result.to_json())
+    if n_ranks > 1 and result.status != "ok":
+        # the other ranks wait for this one in a collective: a failing exit makes torchrun stop
+        # this node's ranks, and the launcher (or srun --kill-on-bad-exit) every other node's
+        return RANK_FAILED_EXIT
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     return 0

@@ -31,7 +31,8 @@ class TrialSpec:
     measured_steps: int = 2
     seed: int = 0
     lr: float = 1e-3
-    nproc: int = 1
+    nproc: int = 1  # ranks in all (the world size)
+    nodes: int = 1  # nodes they span (``nproc / nodes`` per node)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
