@@ -582,9 +582,9 @@ def _relaunch(study: optuna.Study, given: dict[str, Any]) -> StudySettings:
     if settings.backend == "estimate":
         return settings
     gpus = settings.nproc // settings.nodes if settings.backend == "cuda" else 0
-    attrs = launcher_attrs(settings.launcher, gpus_per_node=gpus, **given)
-    if attrs != settings.launcher:
-        settings.launcher = attrs
+    stored = settings.launcher or {"name": "local"}  # studies made before launchers existed
+    settings.launcher = launcher_attrs(stored, gpus_per_node=gpus, **given)
+    if settings.launcher != stored:
         study.set_user_attr("settings", settings.to_attrs())
     return settings
 
