@@ -65,6 +65,9 @@ def results_table(sel: Selection, title: str = "trials") -> Table:
     table.add_column("peak", justify="right")
     table.add_column("tok/s", justify="right")
     table.add_column("loss vs ref", justify="right")
+    host = any(r.host_peak_bytes for r in sel.rows)  # studies recorded before it have none
+    if host:
+        table.add_column("host", justify="right")
     for r in sel.rows:
         style = STATUS_STYLE.get(r.status, "")
         status = f"[{style}]{r.status}[/{style}]" if style else r.status
@@ -80,6 +83,7 @@ def results_table(sel: Selection, title: str = "trials") -> Table:
             _peak_cell(r),
             f"{r.tokens_per_s:,.0f}" if r.status == "ok" else "-",
             _loss_cell(r),
+            *([format_size(r.host_peak_bytes) if r.host_peak_bytes else "-"] if host else []),
         )
     return table
 
@@ -106,6 +110,7 @@ def print_selection(console: Console, sel: Selection, title: str = "trials") -> 
         console.print(
             f"[bold green]winner[/bold green]: trial {w.number}: {describe(w.config)}  "
             f"peak {format_size(w.peak_bytes)} of {budget}, {w.tokens_per_s:,.0f} tokens/s"
+            + (f", host {format_size(w.host_peak_bytes)}" if w.host_peak_bytes else "")
         )
     elif sel.closest is not None:
         c = sel.closest

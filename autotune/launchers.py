@@ -337,7 +337,7 @@ class SlurmRunner(TrialRunner):
         paths = [rank_result_path(result_path, r, spec.nproc) for r in range(spec.nproc)]
         present = [TrialResult.load(p) for p in paths if p.is_file()]
         if len(present) == spec.nproc:
-            result = merge_ranks(present)
+            result = merge_ranks(present, spec.nodes)
             if result.status == "failed":
                 result.stderr_tail = _tail(log)
             return result
@@ -459,7 +459,7 @@ def launcher_options(f: Any) -> Any:
         ),
         click.option(
             "--in-flight",
-            type=click.IntRange(min=1),
+            type=click.IntRange(min=1, max=1024),
             default=None,
             help="slurm: trials submitted at once (default 4).",
         ),

@@ -271,6 +271,7 @@ def _summary_lines(study: optuna.Study, sel: Selection) -> list[str]:
         lines.append(
             f"winner: trial {w.number}: {describe(w.config)}, peak {format_size(w.peak_bytes)}, "
             f"{w.tokens_per_s:,.0f} tokens/s"
+            + (f", host memory {format_size(w.host_peak_bytes)}" if w.host_peak_bytes else "")
         )
     else:
         lines.append("no trial fits the budget yet")

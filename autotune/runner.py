@@ -147,7 +147,7 @@ class SubprocessRunner(TrialRunner):
         if all(p.is_file() for p in rank_paths):
             # Every rank wrote its result: the measurement is complete. A crash after that (seen:
             # a gloo/torchrun teardown abort) does not undo it; it is kept as a warning.
-            result = merge_ranks([TrialResult.load(p) for p in rank_paths])
+            result = merge_ranks([TrialResult.load(p) for p in rank_paths], spec.nodes)
             if result.status == "failed" or code != 0:
                 result.stderr_tail = _tail(stderr_path)
             if code != 0:
@@ -170,12 +170,20 @@ class SubprocessRunner(TrialRunner):
         )
 
 
-def merge_ranks(results: list[TrialResult]) -> TrialResult:
+def merge_ranks(results: list[TrialResult], nodes: int = 1) -> TrialResult:
     """One result from every rank's: the worst rank's peak (the budget is per rank), the sum of
-    tokens/s, the mean loss per step (each rank trained on its share of the batch)."""
+    tokens/s, the mean loss per step (each rank trained on its share of the batch).
+
+    ``nodes``: the hosts the ranks span, ``len(results) / nodes`` consecutive ranks on each (as
+    torchrun numbers them); the host peak is the fullest host's (its ranks' sum)."""
     if len(results) == 1:
         return results[0]
     worst = max(results, key=lambda r: r.peak_bytes)
+    per_host = max(1, len(results) // max(1, nodes))
+    host_peak = max(
+        sum(r.host_peak_bytes for r in results[i : i + per_host])
+        for i in range(0, len(results), per_host)
+    )
     for status in ("oom", "failed"):  # an OOM makes the other ranks fail: it is the cause
         bad = [r for r in results if r.status == status]
         if bad:
@@ -185,6 +193,7 @@ def merge_ranks(results: list[TrialResult]) -> TrialResult:
                 error=bad[0].error,
                 wall_s=max(r.wall_s for r in results),
                 rank_peaks=[r.peak_bytes for r in results],
+                host_peak_bytes=host_peak,
             )
     steps = min(len(r.losses) for r in results)
     return TrialResult(
@@ -195,4 +204,5 @@ def merge_ranks(results: list[TrialResult]) -> TrialResult:
         wall_s=max(r.wall_s for r in results),
         memory_breakdown=worst.memory_breakdown,
         rank_peaks=[r.peak_bytes for r in results],
+        host_peak_bytes=host_peak,  # the ranks of one host share its memory
     )

@@ -9,6 +9,7 @@ is a result (``oom``), not a crash; any other exception is ``failed`` with its t
 from __future__ import annotations
 
 import os
+import resource
 import sys
 import time
 import traceback
@@ -88,8 +89,18 @@ def run_trial(spec: TrialSpec) -> TrialResult:
                 elapsed = time.perf_counter() - t0
         tokens_done = spec.global_batch_size * spec.seq_len * spec.measured_steps
         peak = monitor.peak_bytes
+        host = host_peak_bytes()
+        if spec.host_budget_bytes is not None and host > spec.host_budget_bytes:
+            return TrialResult(
+                status="oom",
+                peak_bytes=peak,
+                host_peak_bytes=host,
+                error=f"host memory {host} B is over the host budget {spec.host_budget_bytes} B",
+                wall_s=time.perf_counter() - start,
+            )
         return TrialResult(
             status="ok",
+            host_peak_bytes=host,
             peak_bytes=peak,
             tokens_per_s=tokens_done / elapsed if elapsed > 0 else 0.0,
             losses=losses,
@@ -104,6 +115,11 @@ def run_trial(spec: TrialSpec) -> TrialResult:
             error=str(exc).splitlines()[0][:500] if str(exc) else "out of memory",
             wall_s=time.perf_counter() - start,
         )
+
+
+def host_peak_bytes() -> int:
+    """This process's peak resident set size (Linux reports ``ru_maxrss`` in KiB)."""
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 def main(argv: list[str] | None = None) -> int:

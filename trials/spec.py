@@ -33,6 +33,7 @@ class TrialSpec:
     lr: float = 1e-3
     nproc: int = 1  # ranks in all (the world size)
     nodes: int = 1  # nodes they span (``nproc / nodes`` per node)
+    host_budget_bytes: int | None = None  # host RAM this trial may use (all its ranks)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -61,6 +62,9 @@ class TrialResult:
     memory_breakdown: dict[str, int] = field(default_factory=dict)
     stderr_tail: str = ""
     rank_peaks: list[int] = field(default_factory=list)  # per rank, in a multi-process trial
+    #: host memory: the job's peak resident set (ru_maxrss; all ranks of a host summed), or the
+    #: estimator's prediction on the estimate backend
+    host_peak_bytes: int = 0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
