@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from autotune.cli import main
-from autotune.runner import SubprocessRunner
+from autotune.runner import SubprocessRunner, merge_ranks
 from tests.conftest import tiny_spec
 from trials.job import RANK_BUDGET_ENV
 from trials.spec import TrialResult
@@ -146,6 +146,36 @@ def test_run_plans_a_multi_node_study_without_a_gpu(in_tmp: Path) -> None:
     settings = study.user_attrs["settings"]
     assert settings["nproc"] == 16 and settings["nodes"] == 2
     assert all(t.user_attrs.get("predicted") for t in study.trials)
+    # every prediction (the sampled trials and each class's best) is priced for 2 nodes of 8
+    from autotune.estimator.analytical import AnalyticalEstimator
+    from autotune.estimator.gpus import gpu_spec
+
+    a100 = gpu_spec("a100-40gb")
+    kw = {"seq_len": settings["seq_len"], "global_batch_size": settings["global_batch_size"]}
+    differs = 0
+    for t in study.trials:
+        if not t.values or not t.values[0]:  # over the budget: nothing to compare
+            continue
+        config, speed = t.user_attrs["config"], t.values[0]
+        spanned = AnalyticalEstimator().estimate(
+            settings["model_config"], config, nproc=16, gpu=a100.spanning(2, 8), **kw
+        )
+        one_node = AnalyticalEstimator().estimate(
+            settings["model_config"], config, nproc=16, gpu=a100, **kw
+        )
+        assert speed == pytest.approx(spanned.tokens_per_s)
+        differs += speed != pytest.approx(one_node.tokens_per_s)
+    assert differs, "no prediction paid for the nodes' network"
+
+
+def test_rank_results_merge_host_memory_per_node() -> None:
+    """Four ranks on two nodes (torchrun numbers a node's ranks together): the host peak is the
+    fuller node's (3 + 4 GB), not all four ranks' (10 GB) as on one machine."""
+    ranks = [TrialResult("ok", host_peak_bytes=g * 10**9, losses=[1.0]) for g in (1, 2, 3, 4)]
+    assert merge_ranks(ranks, nodes=2).host_peak_bytes == 7 * 10**9
+    assert merge_ranks(ranks).host_peak_bytes == 10 * 10**9
+    ranks[0] = TrialResult("oom", host_peak_bytes=10**9, error="out of memory")
+    assert merge_ranks(ranks, nodes=4).host_peak_bytes == 4 * 10**9
 
 
 @pytest.mark.parametrize(
