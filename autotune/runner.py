@@ -16,7 +16,7 @@ import tempfile
 import time
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from trials.cuda import ALLOC_CONF_ENV, alloc_conf_with
 from trials.lifeline import CONTROLLER_ENV
@@ -115,6 +115,20 @@ class TrialRunner(ABC):
         """Extra user attrs for the trial (e.g. ``predicted`` for estimator-backed runners)."""
         return {}
 
+    def run_for(self, trial: TrialAttrs, spec: TrialSpec, name: str) -> TrialResult:
+        """``run`` for a trial of a study; a runner that keeps state on the trial (a Slurm job
+        id, so that a restarted controller collects the job) overrides this."""
+        return self.run(spec, name)
+
+
+class TrialAttrs(Protocol):
+    """The user attrs of a running trial (an ``optuna.Trial``)."""
+
+    @property
+    def user_attrs(self) -> dict[str, Any]: ...
+
+    def set_user_attr(self, key: str, value: Any) -> None: ...
+
 
 def _tail(path: Path, lines: int = STDERR_TAIL_LINES) -> str:
     try:
@@ -155,6 +169,10 @@ class SubprocessRunner(TrialRunner):
         """``command``, through torchrun when the trial has several ranks (one machine, no
         ssh/pdsh: ``--standalone`` picks a free rendezvous port)."""
         cmd = self.command(spec_path, result_path)
+        if spec.nodes > 1:  # N torchrun agents meeting through c10d (autotune.agents)
+            per_node = spec.nproc // spec.nodes
+            return [cmd[0], "-m", "autotune.agents", f"--nodes={spec.nodes}",
+                    f"--nproc-per-node={per_node}", "--", *cmd[2:]]  # fmt: skip
         if spec.nproc <= 1:
             return cmd
         return [
@@ -202,7 +220,7 @@ class SubprocessRunner(TrialRunner):
         if all(r is not None for r in reports):
             # Every rank wrote its result: the measurement is complete. A crash after that (seen:
             # a gloo/torchrun teardown abort) does not undo it; it is kept as a warning.
-            result = merge_ranks([r for r in reports if r is not None])
+            result = merge_ranks([r for r in reports if r is not None], nodes=spec.nodes)
             if result.status == "failed" or code != 0:
                 result.stderr_tail = _tail(stderr_path)
             if code != 0 and result.status == "ok":
@@ -213,7 +231,9 @@ class SubprocessRunner(TrialRunner):
             return result
         if any(r is not None and r.status != "ok" for r in reports):
             # one rank ran out of memory (or failed) and the others were stopped mid-collective
-            result = merge_ranks([r for r in reports if r is not None], n_ranks=spec.nproc)
+            result = merge_ranks(
+                [r for r in reports if r is not None], n_ranks=spec.nproc, nodes=spec.nodes
+            )
             if result.status == "failed":
                 result.stderr_tail = _tail(stderr_path)
             return result
@@ -248,18 +268,26 @@ class SubprocessRunner(TrialRunner):
                 kill_group(proc)
                 return proc.returncode
 
-
-def merge_ranks(results: list[TrialResult], n_ranks: int | None = None) -> TrialResult:
+def merge_ranks(
+    results: list[TrialResult], n_ranks: int | None = None, nodes: int = 1
+) -> TrialResult:
     """One result from every rank's: the worst rank's peak (the budget is per rank), the sum of
     tokens/s, the mean loss per step (each rank trained on its share of the batch).
 
     ``n_ranks`` larger than the results given: the other ranks were stopped after one reported
-    an OOM or a failure; the result is that rank's (``oom_rank`` names it)."""
+    an OOM or a failure; the result is that rank's (``oom_rank`` names it). ``nodes``: the hosts
+    the ranks span, ``n_ranks / nodes`` consecutive ranks on each (as torchrun numbers them); the
+    host peak is the fullest host's (its ranks' sum)."""
     n = n_ranks or len(results)
     if len(results) == 1 and n == 1:
         return results[0]
     worst = max(results, key=lambda r: r.peak_bytes)
-    for status in ("oom", "failed"):
+    per_host = max(1, n // max(1, nodes))
+    host_peak = max(
+        sum(r.host_peak_bytes for r in results[i : i + per_host])
+        for i in range(0, len(results), per_host)
+    )
+    for status in ("oom", "failed"):  # an OOM makes the other ranks fail: it is the cause
         bad = [r for r in results if r.status == status]
         if bad:
             first = min(bad, key=lambda r: r.wall_s)  # the rank that hit it first
@@ -278,7 +306,7 @@ def merge_ranks(results: list[TrialResult], n_ranks: int | None = None) -> Trial
                 oom_rank=first.oom_rank,
                 capped=first.capped,
                 alloc_conf=first.alloc_conf,
-                host_peak_bytes=sum(r.host_peak_bytes for r in results),
+                host_peak_bytes=host_peak,
             )
     steps = min(len(r.losses) for r in results)
     return TrialResult(
@@ -294,7 +322,7 @@ def merge_ranks(results: list[TrialResult], n_ranks: int | None = None) -> Trial
         skipped_steps=max(r.skipped_steps for r in results),
         alloc_conf=worst.alloc_conf,
         device_memory=worst.device_memory,
-        host_peak_bytes=sum(r.host_peak_bytes for r in results),  # the ranks share one host
+        host_peak_bytes=host_peak,  # the ranks of one host share its memory
         step_time_s=max(r.step_time_s for r in results),  # ranks wait for the slowest
         step_spread=max(r.step_spread for r in results),
         load_per_core=max(r.load_per_core for r in results),

@@ -361,6 +361,7 @@ def analytical_predictor(
     global_batch_size: int,
     nproc: int,
     gpu_key: str | None,
+    nodes: int = 1,
 ) -> Predictor:
     """The analytical estimator's (peak, tokens/s) for a target GPU, or a nominal CPU."""
     from autotune.estimator.analytical import AnalyticalEstimator
@@ -382,6 +383,8 @@ def analytical_predictor(
             (0, 0),
         )
     )
+    if nodes > 1:
+        gpu = gpu.spanning(nodes, nproc // nodes)
     estimator = AnalyticalEstimator()
 
     def predict(config: Config) -> tuple[float, float]:

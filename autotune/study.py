@@ -53,7 +53,11 @@ class StudySettings:
     measured_steps: int = 6
     seed: int = 0
     lr: float = 3e-3
-    nproc: int = 1
+    nproc: int = 1  # ranks per trial, in all
+    nodes: int = 1  # nodes a trial spans (``nproc / nodes`` ranks on each)
+    #: how trials start (``autotune.launchers``): {"name": "local"|"slurm", options...}; not
+    #: part of the identity: the same study may be continued through another launcher
+    launcher: dict[str, Any] = field(default_factory=dict)
     target_gpu: str = ""  # backend "estimate": the GPU the predictions are for (gpus.GPUS key)
     host_budget_bytes: int = 0  # host RAM a trial may use (--host-memory); 0: unlimited
     #: the widest fidelity class searched (``trials.techniques.classes_up_to``)
@@ -74,12 +78,15 @@ class StudySettings:
             "allow",
             "space",
             "nproc",
+            "nodes",
         ),
         repr=False,
     )
 
     def default_study_name(self) -> str:
         ranks = f"-x{self.nproc}" if self.nproc > 1 else ""
+        if self.nodes > 1:
+            ranks = f"-{self.nodes}x{self.nproc // self.nodes}"
         return f"{self.model}-{self.budget_label}-{self.backend}{ranks}"
 
     def to_attrs(self) -> dict[str, Any]:
@@ -105,6 +112,7 @@ class StudySettings:
             seed=self.seed,
             lr=self.lr,
             nproc=self.nproc,
+            nodes=self.nodes,
             host_budget_bytes=self.host_budget_bytes or None,
         )
 
@@ -432,8 +440,8 @@ class Objective:
             # and is judged against the budget afterwards.
             budget = None if unbounded else self.settings.budget_bytes
             try:
-                result = self.runner.run(
-                    self.settings.spec(config, budget), f"trial-{trial.number}"
+                result = self.runner.run_for(
+                    trial, self.settings.spec(config, budget), f"trial-{trial.number}"
                 )
             except KeyboardInterrupt:  # the runner has killed the job; say so on the trial
                 trial.set_user_attr("status", "failed")
@@ -532,6 +540,7 @@ def _autotune_sampler(
         global_batch_size=s.global_batch_size,
         nproc=s.nproc,
         gpu_key=gpu_key,
+        nodes=s.nodes,
     )
     return AutotuneSampler(
         space.grid(), predict, s.budget_bytes, seed=seed, loss_tolerance=s.loss_tolerance

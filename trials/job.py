@@ -177,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     spec_path, result_path = Path(args[0]), Path(args[1])
     start_lifeline()
     try:
-        result = run_trial(TrialSpec.load(spec_path))
+        spec = TrialSpec.load(spec_path)
+        result = run_trial(spec)
     except Exception as exc:  # a trial's failure is data for the study, not a crash of the job
         traceback.print_exc()
         result = TrialResult(status="failed", error=f"{type(exc).__name__}: {exc}"[:2000])
@@ -189,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if n_ranks > 1 and result.status != "ok":
         # The other ranks are waiting for this one in a collective: leave now, without the
-        # process group's teardown (it would wait for them), so torchrun ends every rank.
+        # process group's teardown (it would wait for them): a failing exit makes torchrun stop
+        # this node's ranks, and the launcher (or srun --kill-on-bad-exit) every other node's.
         sys.stderr.flush()
         os._exit(RANK_FAILED_EXIT)
     if torch.distributed.is_available() and torch.distributed.is_initialized():

@@ -31,7 +31,8 @@ class TrialSpec:
     measured_steps: int = 2
     seed: int = 0
     lr: float = 1e-3
-    nproc: int = 1
+    nproc: int = 1  # ranks in all (the world size)
+    nodes: int = 1  # nodes they span (``nproc / nodes`` per node)
     #: per-rank budget overrides, {"rank": bytes} (tests: one rank of several runs out)
     rank_budget_bytes: dict[str, int] = field(default_factory=dict)
     host_budget_bytes: int | None = None  # host RAM this trial may use (all its ranks)
