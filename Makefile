@@ -20,9 +20,12 @@ $(VENV)/.installed: scripts/install.sh pyproject.toml
 run: $(VENV)/.installed
 	$(VENV)/bin/autotune run $(RUN_ARGS)
 
-# real services the tests use; an install or start that fails stops here with its reason
+# real services the tests use; an install or start that fails stops here with its reason:
+# PostgreSQL (the many-workers tests), a single-node Slurm (munge, slurmctld, slurmd: the Slurm
+# launcher's tests; `bash scripts/install_slurm.sh --stop` stops its daemons)
 services:
 	bash scripts/install_postgres.sh
+	bash scripts/install_slurm.sh
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

@@ -29,38 +29,55 @@ from autotune.estimate_cli import (
     estimate_cmd,
     estimate_space,
     hardware_for,
-    host_budget,
+    machine_memory,
     queue_class_bests,
     runner_for,
     target_gpu,
 )
 from autotune.estimator.gpus import gpu_spec
 from autotune.export import EXPORTERS, UserSettings, export, measured_on
+from autotune.finalists import remeasure
 from autotune.hardware import Hardware
 from autotune.ladder import ladder_cells, run_ladder
+from autotune.launchers import (
+    Adoption,
+    SlurmRunner,
+    adopt,
+    concurrency,
+    launcher_attrs,
+    launcher_options,
+    make_runner,
+)
+from autotune.lossguard import Prober, ProbeSettings
 from autotune.masking import mask_url, url_secrets
 from autotune.models import resolve_model
-from autotune.runner import SubprocessRunner
+from autotune.runner import TrialRunner
 from autotune.selector import select, selection_json
 from autotune.space import SearchSpace
 from autotune.storage import open_storage
 from autotune.study import (
+    DEFAULT_ALLOW,
     DEFAULT_STORAGE,
     GIVEN_OPTIONS,
     STRATEGIES,
     Objective,
+    ResultNotStored,
     StudySettings,
     TrialCrashed,
     create_or_load,
     ensure_reference,
+    fail_running_trial,
     load_existing,
     make_sampler,
     settings_of,
+    storage_errors,
     workdir_for,
+    write_error_reason,
 )
 from autotune.terminal import make_console, printable, shell_line
 from autotune.units import budget_label, format_size, parse_size
 from trials.spec import TrialResult
+from trials.techniques import FIDELITY_CLASSES, classes_up_to
 
 #: Real CPU trials build the model in this machine's memory; beyond this they can't run here.
 MAX_CPU_TRIAL_PARAMS = 500_000_000
@@ -130,10 +147,22 @@ def _optimize(
     strategy: str = "autotune",
 ) -> None:
     settings = settings_of(study)
-    runner = runner_for(
-        settings, SubprocessRunner(workdir_for(study.study_name), timeout_s=trial_timeout)
+    launched = make_runner(settings.launcher, workdir_for(study), trial_timeout)
+    runner = runner_for(settings, launched)
+    objective = Objective(study, space, runner, *_prober(settings, launched))
+    # Slurm jobs a previous controller left running are collected into their trials
+    adopted = (
+        adopt(
+            study,
+            open_storage(storage_url),
+            Objective(study, space, runner, *_prober(settings, launched)),
+            TrialCrashed,
+        )
+        if isinstance(launched, SlurmRunner)
+        else Adoption()
     )
-    objective = Objective(study, space, runner)
+    for number in adopted.numbers:
+        console.print(f"collecting trial #{number}: its Slurm job is still known to the cluster")
     # workers draw trials; queueing the reference is the job of run/resume. Predictions have
     # no loss curve, so an estimate study has no reference and no loss guard.
     if not worker and settings.backend != "estimate":
@@ -161,9 +190,24 @@ def _optimize(
             )
 
         objective.on_result = on_result
+        write_errors: tuple[type[BaseException], ...] = (ResultNotStored, *storage_errors())
+        stopping = launched.stopping if isinstance(launched, SlurmRunner) else None
         try:
-            with _terminate_as_interrupt():
-                study.optimize(objective, n_trials=n_trials, timeout=timeout, catch=(TrialCrashed,))
+            with _terminate_as_interrupt(stopping):
+                if n_trials:
+                    study.optimize(
+                        objective,
+                        n_trials=n_trials,
+                        timeout=timeout,
+                        catch=(TrialCrashed,),
+                        n_jobs=concurrency(settings.launcher),
+                    )
+                adopted.join()
+        except write_errors as exc:
+            progress.stop()
+            # the machine's fault (a full disk, a lost database), not the input's: exit 1
+            fate = fail_running_trial(study, objective.current)
+            raise EnvironmentFailure(f"{_one_line(exc)}; {fate}") from None
         except KeyboardInterrupt:
             progress.stop()
             # plain echo, not rich: the command must stay one line, exactly as printed
@@ -173,6 +217,49 @@ def _optimize(
                 err=True,
             )
             sys.exit(130)
+    if not worker and settings.backend != "estimate":
+        _confirm_finalists(study, launched, storage_url)
+
+
+def _prober(settings: StudySettings, real: TrialRunner) -> tuple[Prober | None, str]:
+    """The loss probe of lossy numerics (autotune/lossguard.py), or None and why not."""
+    if settings.probe_steps <= 0:
+        why = "predicted study" if settings.backend == "estimate" else "probes are off"
+        return None, f"{why} (--probe-steps N trains a proxy)"
+    probe = ProbeSettings(
+        steps=settings.probe_steps,
+        seeds=settings.probe_seeds,
+        lr=settings.lr,
+        backend="cuda" if settings.backend == "cuda" else "cpu",
+    )
+    return Prober(settings.model_config, probe, real), ""
+
+
+def _confirm_finalists(study: optuna.Study, runner: TrialRunner, storage_url: str) -> None:
+    """Re-measure, interleaved, the configurations within the noise of each class's fastest."""
+    stopping = runner.stopping if isinstance(runner, SlurmRunner) else None
+    try:
+        with _terminate_as_interrupt(stopping):
+            ran = remeasure(study, runner, settings_of(study).confirm_rounds)
+    except KeyboardInterrupt:
+        click.echo(
+            "interrupted while re-measuring the finalists. Resume with"
+            f"{resume_hint(study.study_name, storage_url)}",
+            err=True,
+        )
+        sys.exit(130)
+    if ran:
+        console.print(f"re-measured the finalists within the noise of the best: {ran} runs")
+
+
+def _one_line(exc: BaseException) -> str:
+    """A write error of the optimize loop in words: the result, a trial folder, the storage."""
+    if isinstance(exc, ResultNotStored):
+        return str(exc)
+    if isinstance(exc, OSError):  # a trial folder or file (a full disk, a read-only folder)
+        where = f" {exc.filename}" if exc.filename else ""
+        return f"cannot write{where}: {exc.strerror or exc}"
+    return f"could not write to the study's storage: {write_error_reason(exc)}"
 
 
 def resume_hint(study_name: str, storage_url: str, *extra: str) -> str:
@@ -192,20 +279,25 @@ def resume_hint(study_name: str, storage_url: str, *extra: str) -> str:
 
 
 @contextlib.contextmanager
-def _terminate_as_interrupt() -> Iterator[None]:
-    """SIGTERM (``kill``, a scheduler's stop) ends trials as cleanly as Ctrl-C does."""
+def _terminate_as_interrupt(stopping: threading.Event | None = None) -> Iterator[None]:
+    """SIGTERM (``kill``, a scheduler's stop) ends trials as cleanly as Ctrl-C does; both set
+    ``stopping``, which tells trials waiting in other threads (Slurm jobs) to cancel theirs."""
 
     def interrupt(signum: int, frame: object) -> None:
+        if stopping is not None:
+            stopping.set()
         raise KeyboardInterrupt
 
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     previous = signal.signal(signal.SIGTERM, interrupt)
+    previous_int = signal.signal(signal.SIGINT, interrupt)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
 
 
 def _report(study: optuna.Study, storage_url: str) -> None:
@@ -259,6 +351,37 @@ def _report(study: optuna.Study, storage_url: str) -> None:
     show_default=True,
     help="Allowed relative loss regression of lossy techniques vs the reference.",
 )
+@click.option(
+    "--allow",
+    type=click.Choice(FIDELITY_CLASSES),
+    default=DEFAULT_ALLOW,
+    show_default=True,
+    help="The widest fidelity class searched, in order exact < mixed < reduced_state < "
+    "other_optimizer < adapters: `exact` searches only exact techniques, `mixed` adds 16-bit "
+    "compute, `adapters` adds LoRA/QLoRA.",
+)
+@click.option(
+    "--probe-steps",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Steps of the loss probe that judges lossy numerics on a small proxy of the model "
+    "(default 200; --backend estimate: 0, no probes).",
+)
+@click.option(
+    "--confirm-rounds",
+    type=click.IntRange(min=0),
+    default=2,
+    show_default=True,
+    help="Interleaved re-measurements of the finalists (within the noise of the best) before "
+    "a winner is named; 0: none.",
+)
+@click.option(
+    "--probe-seeds",
+    type=click.IntRange(min=2),
+    default=2,
+    show_default=True,
+    help="Seeds per probe: their spread is the noise band shown with each verdict.",
+)
 @trial_timeout_option
 @timeout_option
 @click.option("--seq-len", type=click.IntRange(min=8), default=None)
@@ -289,10 +412,21 @@ def _report(study: optuna.Study, storage_url: str) -> None:
     help="CUDA: run each trial on N GPUs (torchrun, nccl); the budget is per GPU.",
 )
 @click.option(
+    "--nodes",
+    type=click.IntRange(min=1, max=1024),
+    default=1,
+    show_default=True,
+    help="Nodes each trial spans (torchrun agents meeting through c10d rendezvous); with "
+    "--gpus-per-node (CUDA, estimate) or --nproc-per-node (CPU).",
+)
+@click.option("--gpus-per-node", type=click.IntRange(min=1, max=1024), default=None)
+@click.option("--nproc-per-node", type=click.IntRange(min=1, max=1024), default=None)
+@launcher_options
+@click.option(
     "--host-memory",
     default=None,
-    help="Host RAM a trial may use, e.g. 128GB (default: this machine's memory; --backend "
-    "estimate: unlimited, always shown).",
+    help="Host RAM a trial may use on each machine, e.g. 128GB (default: this machine's "
+    "memory; --backend estimate or --launcher slurm: unlimited, always shown).",
 )
 def run(
     model: str,
@@ -304,6 +438,10 @@ def run(
     backend: str,
     gpu: str | None,
     loss_tolerance: float,
+    allow: str,
+    probe_steps: int | None,
+    confirm_rounds: int,
+    probe_seeds: int,
     trial_timeout: float,
     timeout: float | None,
     seq_len: int | None,
@@ -313,6 +451,15 @@ def run(
     ladder: bool,
     nproc: int | None,
     gpus: int | None,
+    nodes: int,
+    gpus_per_node: int | None,
+    nproc_per_node: int | None,
+    launcher: str | None,
+    partition: str | None,
+    account: str | None,
+    slurm_time: str | None,
+    in_flight: int | None,
+    sbatch_options: tuple[str, ...],
     host_memory: str | None,
 ) -> None:
     """Run (or continue) a study of real training trials (or of predictions, without a GPU)."""
@@ -325,7 +472,12 @@ def run(
     space = SearchSpace.load(space_path)
     hardware = Hardware.detect(None if backend in ("auto", "estimate") else backend)
     if hardware.backend == "cuda" and not _cuda_available():
-        raise UserError("--backend cuda: no CUDA GPU is visible to torch here")
+        if launcher != "slurm" or gpu is None:
+            raise UserError(
+                "--backend cuda: no CUDA GPU is visible to torch here"
+                + ("; with --launcher slurm name the nodes' GPU with --gpu" if launcher else "")
+            )
+        hardware = hardware_for(gpu_spec(gpu), gpus_per_node or gpus or 1)
     gpu_target = None
     if backend == "estimate" or (
         backend == "auto" and hardware.backend == "cpu" and entry.n_params > MAX_CPU_TRIAL_PARAMS
@@ -337,16 +489,41 @@ def run(
             )
         if space_path is None:
             space = estimate_space()
-        hardware = hardware_for(gpu_target)
+        hardware = hardware_for(gpu_target, gpus_per_node or gpus or 1)
     elif hardware.backend == "cpu" and entry.n_params > MAX_CPU_TRIAL_PARAMS:
         raise UserError(
             f"{entry.name} has {entry.n_params / 1e9:.1f}B parameters: too big for real CPU "
             "trials on this machine; use a GPU (--backend cuda), --backend estimate, or a "
             "small model"
         )
-    ranks = _ranks(nproc, gpus, hardware) if gpu_target is None else 1
+    per_node = _per_node(nodes, nproc, gpus, nproc_per_node, gpus_per_node, hardware, gpu_target)
+    launcher_settings = (
+        {"name": "local"}
+        if gpu_target
+        else launcher_attrs(
+            {},
+            launcher,
+            partition,
+            account,
+            slurm_time,
+            in_flight,
+            sbatch_options,
+            gpus_per_node=per_node if hardware.backend == "cuda" else 0,
+        )
+    )
+    if (
+        gpu_target is None
+        and nodes > 1
+        and hardware.backend == "cuda"
+        and (launcher_settings["name"] == "local")
+    ):
+        raise UserError(
+            f"--nodes {nodes} on CUDA: nodes are the cluster's; use --launcher slurm "
+            "(the local launcher simulates nodes with CPU processes only)"
+        )
+    ranks = nodes * per_node
     gbs = global_batch_size or entry.global_batch_size
-    resolved = space.resolve(gbs, hardware)
+    resolved = space.resolve(gbs, hardware, classes_up_to(allow))
     settings = StudySettings(
         model=entry.name,
         model_config=entry.config,
@@ -360,7 +537,16 @@ def run(
         loss_tolerance=loss_tolerance,
         seed=seed,
         nproc=ranks,
-        host_budget_bytes=host_limit or (0 if gpu_target else host_budget(None, "cpu") or 0),
+        allow=allow,
+        probe_steps=probe_steps if probe_steps is not None else (0 if gpu_target else 200),
+        probe_seeds=probe_seeds,
+        confirm_rounds=confirm_rounds,
+        nodes=nodes,
+        launcher=launcher_settings,
+        # default: this machine's memory; unlimited for predictions and for Slurm jobs (the
+        # nodes' memory is not this login node's: --host-memory gives it)
+        host_budget_bytes=host_limit
+        or (0 if gpu_target or launcher_settings["name"] == "slurm" else machine_memory()),
     )
     name = study_name or settings.default_study_name()
     _check_study_name(name)
@@ -446,6 +632,41 @@ def _climb(study: optuna.Study, trial_timeout: float, storage_url: str) -> None:
         console.print(f"[yellow]the winner is now trial {winner.number}[/yellow]")
 
 
+def _per_node(
+    nodes: int,
+    nproc: int | None,
+    gpus: int | None,
+    nproc_per_node: int | None,
+    gpus_per_node: int | None,
+    hardware: Hardware,
+    gpu_target: Any,
+) -> int:
+    """Ranks on each node: --gpus-per-node (CUDA, estimate) or --nproc-per-node (CPU); with one
+    node, --gpus N / --nproc N say the same."""
+    for one, per in (("--gpus", gpus), ("--nproc", nproc)):
+        if per is not None and nodes > 1:
+            raise UserError(f"{one} is for one node; with --nodes {nodes} use {one}-per-node")
+    if gpu_target is not None:  # the estimate backend: GPUs of the target machine
+        if nproc_per_node is not None or nproc is not None:
+            raise UserError("--nproc/--nproc-per-node are for CPU trials; the estimate backend "
+                            "plans GPUs: use --gpus-per-node")  # fmt: skip
+        return gpus_per_node or gpus or 1
+    if gpus_per_node is not None and hardware.backend != "cuda":
+        raise UserError("--gpus-per-node needs the cuda backend; on the CPU use --nproc-per-node")
+    if nproc_per_node is not None and hardware.backend == "cuda":
+        raise UserError("--nproc-per-node is for CPU trials; on CUDA use --gpus-per-node")
+    per = gpus_per_node or nproc_per_node
+    if nodes > 1 and per is None:
+        raise UserError(f"--nodes {nodes}: say how many ranks each node runs with "
+                        "--gpus-per-node G (CUDA) or --nproc-per-node P (CPU)")  # fmt: skip
+    if per is not None and (gpus is not None or nproc is not None):
+        raise UserError("give either --gpus/--nproc or --nodes with --gpus-per-node/"
+                        "--nproc-per-node, not both")  # fmt: skip
+    if per is not None:
+        return per
+    return _ranks(nproc, gpus, hardware)
+
+
 def _ranks(nproc: int | None, gpus: int | None, hardware: Hardware) -> int:
     """Processes per trial: --gpus N on CUDA, --nproc N on the CPU."""
     if gpus is not None and hardware.backend != "cuda":
@@ -477,6 +698,7 @@ def _cuda_available() -> bool:
 @trial_timeout_option
 @timeout_option
 @click.option("--ladder", is_flag=True, help="Then measure the missing rungs of the ladder.")
+@launcher_options
 def resume(
     study_name: str,
     n_trials: int,
@@ -484,14 +706,18 @@ def resume(
     trial_timeout: float,
     timeout: float | None,
     ladder: bool,
+    **launcher: Any,
 ) -> None:
-    """Continue a study by name with its stored settings."""
+    """Continue a study by name with its stored settings (and its launcher, unless given).
+
+    Slurm jobs that a stopped controller left queued or running are collected into their
+    trials (``--trials 0``: only that)."""
     study = load_existing(open_storage(storage, must_exist=True), study_name)
-    settings = settings_of(study)
+    settings = _relaunch(study, launcher)
     console.print(
         f"resuming study '{study_name}': {len(study.trials)} trials so far", markup=False
     )
-    if n_trials:
+    if n_trials or settings.launcher.get("name") == "slurm":
         _optimize(
             study,
             SearchSpace.from_dict(settings.space, "study"),
@@ -518,8 +744,14 @@ def resume(
 )
 @trial_timeout_option
 @timeout_option
+@launcher_options
 def worker(
-    study_name: str, storage: str, n_trials: int, trial_timeout: float, timeout: float | None
+    study_name: str,
+    storage: str,
+    n_trials: int,
+    trial_timeout: float,
+    timeout: float | None,
+    **launcher: Any,
 ) -> None:
     """Draw trials from an existing study; run one per machine, or several, at once.
 
@@ -527,8 +759,12 @@ def worker(
     storage (PostgreSQL across machines; SQLite for workers on one machine).
     """
     study = load_existing(open_storage(storage, must_exist=True), study_name)
-    settings = settings_of(study)
-    if settings.backend == "cuda" and not _cuda_available():
+    settings = _relaunch(study, launcher)
+    if (
+        settings.backend == "cuda"
+        and settings.launcher.get("name") != "slurm"
+        and not (_cuda_available())
+    ):
         raise UserError(
             f"study '{study_name}' measures on CUDA GPUs and this machine has no CUDA GPU "
             "visible: run its workers where the GPUs are"
@@ -548,6 +784,19 @@ def worker(
         worker=True,
     )
     _report(study, storage)
+
+
+def _relaunch(study: optuna.Study, given: dict[str, Any]) -> StudySettings:
+    """The study's settings with its launcher changed by the options given to this command."""
+    settings = settings_of(study)
+    if settings.backend == "estimate":
+        return settings
+    gpus = settings.nproc // settings.nodes if settings.backend == "cuda" else 0
+    stored = settings.launcher or {"name": "local"}  # studies made before launchers existed
+    settings.launcher = launcher_attrs(stored, gpus_per_node=gpus, **given)
+    if settings.launcher != stored:
+        study.set_user_attr("settings", settings.to_attrs())
+    return settings
 
 
 @main.command()

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from autotune.selector import Row, Selection
+from autotune.selector import Row, Selection, class_summary
 from autotune.units import format_size
 
 STATUS_STYLE = {"ok": "green", "oom": "red", "failed": "magenta", "running": "yellow"}
@@ -29,6 +29,7 @@ SHORT: dict[str, Callable[[Any], str]] = {
     "allgather_bucket_size": lambda v: f"ag={v:.0e}",
     "overlap_comm": lambda v: "overlap" if v else "",
     "contiguous_gradients": lambda v: "" if v else "noncontig",
+    "expandable_segments": lambda v: "expseg" if v else "",
 }
 
 
@@ -41,18 +42,47 @@ def _peak_cell(row: Row) -> str:
     return format_size(row.peak_bytes)
 
 
+def _build_cell(row: Row) -> str:
+    """The construction peak (model built and wrapped, before the first step)."""
+    return format_size(row.construction_peak_bytes) if row.construction_peak_bytes else "-"
+
+
+def status_text(row: Row) -> str:
+    """The status with what sets it apart: a predicted OOM (never run), the rank that ran out,
+    a run without budget stopped by the card, a deterministic failure (never run again)."""
+    text = row.status
+    if row.status == "oom" and row.pruned_by_estimate:
+        text = "oom (predicted)"
+    elif row.status == "oom" and row.capped:
+        text = "oom (card)"
+    elif row.status == "oom" and row.oom_rank is not None and row.rank_peaks:
+        text = f"oom (rank {row.oom_rank})"
+    return text
+
+
 def describe(config: dict[str, Any]) -> str:
     parts = [SHORT[k](v) if k in SHORT else f"{k}={v}" for k, v in config.items()]
     return " ".join(p for p in parts if p)
 
 
 def _loss_cell(row: Row) -> str:
+    """The stored verdict and how it was reached: ``ref`` (per step against the reference),
+    ``probe`` (proxy, with the seed-noise band), or why there is none."""
+    v = row.verdict
     if row.role == "reference":
         return "reference"
-    if row.loss_regression is None:
+    if v is None:
         return "-"
-    cell = f"{row.loss_regression * 100:+.2f}%"
-    if row.loss_ok is False:
+    if v.via == "none":
+        short = {"adapters": "adapters", "exact": "no ref"}.get(row.fidelity, "no probe")
+        return f"[dim]{short}[/dim]"
+    assert v.regression is not None
+    if v.via == "reference":
+        cell = f"ref {v.regression:.0e}"
+    else:
+        noise = f" ±{v.noise * 100:.2f}%" if v.noise is not None else ""
+        cell = f"{v.regression * 100:+.2f}%{noise} probe"
+    if v.ok is False:
         return f"[red]{cell} ✗[/red]"
     return cell
 
@@ -61,16 +91,18 @@ def results_table(sel: Selection, title: str = "trials") -> Table:
     table = Table(title=title, title_justify="left", expand=False)
     table.add_column("#", justify="right")
     table.add_column("config", overflow="fold", max_width=40)
+    table.add_column("class")
     table.add_column("status")
+    table.add_column("build", justify="right")
     table.add_column("peak", justify="right")
     table.add_column("tok/s", justify="right")
-    table.add_column("loss vs ref", justify="right")
+    table.add_column("loss", justify="right")
     host = any(r.host_peak_bytes for r in sel.rows)  # studies recorded before it have none
     if host:
         table.add_column("host", justify="right")
     for r in sel.rows:
         style = STATUS_STYLE.get(r.status, "")
-        status = f"[{style}]{r.status}[/{style}]" if style else r.status
+        status = f"[{style}]{status_text(r)}[/{style}]" if style else status_text(r)
         if r.duplicate_of is not None:
             status += f" (=#{r.duplicate_of})"
         if r.retry_of is not None:
@@ -79,7 +111,9 @@ def results_table(sel: Selection, title: str = "trials") -> Table:
         table.add_row(
             f"{r.number}{mark}",
             describe(r.config),
+            r.fidelity,
             status,
+            _build_cell(r),
             _peak_cell(r),
             f"{r.tokens_per_s:,.0f}" if r.status == "ok" else "-",
             _loss_cell(r),
@@ -109,7 +143,7 @@ def print_selection(console: Console, sel: Selection, title: str = "trials") -> 
         w = sel.winner
         console.print(
             f"[bold green]winner[/bold green]: trial {w.number}: {describe(w.config)}  "
-            f"peak {format_size(w.peak_bytes)} of {budget}, {w.tokens_per_s:,.0f} tokens/s"
+            f"peak {format_size(w.peak_bytes)} of {budget}, {w.speed:,.0f} tokens/s"
             + (f", host {format_size(w.host_peak_bytes)}" if w.host_peak_bytes else "")
         )
     elif sel.closest is not None:
@@ -127,6 +161,11 @@ def print_selection(console: Console, sel: Selection, title: str = "trials") -> 
         )
     else:
         console.print("[bold red]no trial has finished yet[/bold red]")
+    if sel.winner is not None or sel.closest is not None:
+        for line in class_summary(sel, describe):  # the full-training answer first
+            console.print(f"  {line}", markup=False, highlight=False)
+    if sel.load_warning:
+        console.print(f"[yellow]{sel.load_warning}[/yellow]")
 
 
 #: ladder cells shown in the terminal, with their header

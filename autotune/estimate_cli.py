@@ -132,6 +132,15 @@ def class_lines(per_class: dict[str, ClassBest], budget: int) -> list[str]:
     return lines
 
 
+def study_gpu(settings: StudySettings) -> GpuSpec:
+    """The GPU an estimate study plans for; over several nodes ZeRO's collectives (and the
+    host memory, per node) are priced on the nodes' network and hosts."""
+    gpu = gpu_spec(settings.target_gpu)
+    if settings.nodes > 1:
+        gpu = gpu.spanning(settings.nodes, settings.nproc // settings.nodes)
+    return gpu
+
+
 def class_scores(settings: StudySettings) -> dict[str, ClassBest]:
     """Every configuration of the study's space scored; the best of each fidelity class."""
     space = SearchSpace.from_dict(settings.space, "study")
@@ -141,7 +150,7 @@ def class_scores(settings: StudySettings) -> dict[str, ClassBest]:
         seq_len=settings.seq_len,
         global_batch_size=settings.global_batch_size,
         nproc=settings.nproc,
-        gpu=gpu_spec(settings.target_gpu),
+        gpu=study_gpu(settings),
         budget_bytes=settings.budget_bytes,
         host_budget_bytes=settings.host_budget_bytes or None,
     )
@@ -183,7 +192,7 @@ def confirm_winner(
     training (exact or mixed precision) - with its traced breakdown next to the analytical one."""
     from autotune.display import describe
 
-    gpu = gpu_spec(settings.target_gpu)
+    gpu = study_gpu(settings)
     budget = settings.budget_bytes
     console.print(f"best per fidelity class (speeds within {MODEL_ERROR:.0%} are ties):")
     for line in class_lines(per_class, budget):
@@ -235,6 +244,13 @@ def _load_config(path: str) -> dict[str, Any]:
 )
 @click.option("--config", "config_path", default=None, help="YAML/JSON file of one configuration.")
 @click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option(
+    "--nodes",
+    type=click.IntRange(min=1, max=1024),
+    default=1,
+    show_default=True,
+    help="Nodes the --nproc GPUs span (ZeRO's collectives then cross the nodes' network).",
+)
 @click.option("--seq-len", type=click.IntRange(min=8), default=None)
 @click.option("--global-batch-size", type=click.IntRange(min=1), default=None)
 @click.option(
@@ -254,6 +270,7 @@ def estimate_cmd(
     gpu: str | None,
     config_path: str | None,
     nproc: int,
+    nodes: int,
     seq_len: int | None,
     global_batch_size: int | None,
     host_memory: str | None,
@@ -269,7 +286,11 @@ def estimate_cmd(
     budget_bytes = parse_size(budget)
     host_bytes = host_budget(host_memory, "estimate")
     entry = resolve_model(model)
+    if nproc % nodes:
+        raise UserError(f"--nproc {nproc} GPUs do not split evenly over --nodes {nodes}")
     spec = target_gpu(gpu, budget_bytes)
+    if nodes > 1:
+        spec = spec.spanning(nodes, nproc // nodes)
     kw: dict[str, Any] = {
         "seq_len": seq_len or entry.seq_len,
         "global_batch_size": global_batch_size or entry.global_batch_size,
@@ -298,9 +319,10 @@ def estimate_cmd(
         entry.config, configs, budget_bytes=budget_bytes, host_budget_bytes=host_bytes, **kw
     )
     fitting = sum(s.fits for s in scored)
+    layout = f"{nodes} nodes x{nproc // nodes}" if nodes > 1 else f"x{nproc}"
     host_label = format_size(host_bytes) if host_bytes is not None else "unlimited"
     console.print(
-        f"{entry.name} on {spec.name} x{nproc}, budget {format_size(budget_bytes)}, host memory "
+        f"{entry.name} on {spec.name} {layout}, budget {format_size(budget_bytes)}, host memory "
         f"{host_label}: {fitting} of {len(scored)} configurations predicted to fit (every "
         f"configuration scored, analytical, {time.perf_counter() - t0:.1f} s)"
     )

@@ -119,6 +119,18 @@ REQUIREMENTS_WITH: dict[tuple[str, object], tuple[str, Callable[[Hardware], str 
 }
 
 
+#: dimension -> check: the whole dimension is dropped where it means nothing (an allocator
+#: setting of CUDA's on a CPU), with one line, instead of leaving a one-choice dimension
+DIMENSION_REQUIREMENTS: dict[str, Callable[[Hardware], str | None]] = {
+    "expandable_segments": _needs_cuda,
+}
+
+
+def dimension_unavailable_reason(hw: Hardware, dimension: str) -> str | None:
+    check = DIMENSION_REQUIREMENTS.get(dimension)
+    return check(hw) if check else None
+
+
 def unavailable_reason(
     hw: Hardware, dimension: str, choice: object, space_dimensions: Collection[str] = ()
 ) -> str | None:
@@ -128,3 +140,37 @@ def unavailable_reason(
     if reason is None and check_with is not None and other in space_dimensions:
         reason = check_with(hw)
     return reason
+
+
+def gpu_key_for(device_name: str, memory_bytes: int) -> str | None:
+    """The estimator's spec (``autotune.estimator.gpus``) for a CUDA device, from the name
+    ``torch.cuda.get_device_name`` reports and its memory: the known card whose model name is
+    in the device's name (``NVIDIA H100 80GB HBM3`` -> ``h100``), of the closest memory size;
+    None for a card the table does not know (the prior then stays nominal)."""
+    import re
+
+    from autotune.estimator.gpus import GPUS
+
+    def words(text: str) -> list[str]:
+        return re.findall(r"[a-z]+\d+[a-z]*|\d+[a-z]*", text.lower())
+
+    name = device_name.lower()
+    matches = [
+        g
+        for g in GPUS.values()
+        if (model := next((w for w in words(g.name) if any(c.isdigit() for c in w)), None))
+        and re.search(rf"\b{re.escape(model)}\b", name)
+    ]
+    if not matches:
+        return None
+    return min(matches, key=lambda g: abs(g.memory_bytes - memory_bytes)).key
+
+
+def detected_gpu_key(device: int = 0) -> str | None:
+    """``gpu_key_for`` this machine's CUDA device (None without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(device)
+    return gpu_key_for(props.name, int(props.total_memory))

@@ -24,7 +24,7 @@ from autotune.display import describe
 from autotune.errors import UserError
 from autotune.selector import Row, rows_of, select
 from autotune.space import Choice, SearchSpace
-from autotune.study import UNBOUNDED_ROLES, check_loss, reference_losses, settings_of
+from autotune.study import UNBOUNDED_ROLES, settings_of
 from autotune.units import format_size
 
 #: the value of each dimension that means "this technique is not used"
@@ -52,7 +52,7 @@ class Step:
     added: str = ""  # label of the technique this rung adds ("" for the baseline)
     #: peak saving of the same technique applied to the baseline alone (for rungs above the first)
     alone_saving: int | None = None
-    loss_delta: float | None = None  # relative mean loss of the measured steps vs the reference
+    loss_delta: float | None = None  # the stored loss verdict's relative regression
 
     @property
     def measured(self) -> bool:
@@ -172,18 +172,11 @@ def build_ladder(
     winner = select(study).winner if target is None else None
     baseline = baseline_config(space, settings.global_batch_size)
     lookup = make_lookup(rows)
-    ref = reference_losses(study)
-    curves = {t.number: t.user_attrs.get("losses") for t in study.get_trials(deepcopy=False)}
 
     def loss_delta(row: Row | None) -> float | None:
-        if row is None or ref is None:
-            return None
-        losses = curves.get(row.number)
-        if not losses:
-            return None
-        k = settings.measured_steps
-        check = check_loss(losses, ref, False, settings.loss_tolerance, k)
-        return check.regression if check else None
+        # the trial's stored verdict (autotune/lossguard.py): per step against the reference
+        # for exact rungs, the probe's regression for lossy ones
+        return row.loss_regression if row is not None else None
 
     first = lookup(baseline)
     steps = [Step((), baseline, first, loss_delta=loss_delta(first))]

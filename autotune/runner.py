@@ -12,17 +12,97 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+from trials.cuda import ALLOC_CONF_ENV, alloc_conf_with
 from trials.lifeline import CONTROLLER_ENV
 from trials.spec import TrialResult, TrialSpec, rank_result_path
 
 STDERR_TAIL_LINES = 20
 #: the CLI's storage URL variable
 STORAGE_ENV = "AUTOTUNE_STORAGE"
+#: Variables that make a process think it is a rank of some distributed job: set in the caller's
+#: shell (an interactive node of a Slurm/MPI/torchrun job) they would make a trial join a job
+#: that does not exist and hang. A trial's world is its own: torchrun or the job sets them.
+DISTRIBUTED_ENV = (
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_NAME",
+    "ROLE_WORLD_SIZE",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "CROSS_RANK",
+    "CROSS_SIZE",
+    "LOCAL_SIZE",
+    "DEEPSPEED_RANK",
+    "PMI_RANK",
+    "PMI_SIZE",
+    "PMIX_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "OMPI_COMM_WORLD_LOCAL_SIZE",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+)
+DISTRIBUTED_PREFIXES = ("TORCHELASTIC_", "TORCH_ELASTIC_")
+#: seconds the other ranks get to finish after one rank reported an OOM or a failure
+RANK_GRACE_S = 3.0
+POLL_S = 0.2
+
+
+def trial_env(base: dict[str, str], spec: TrialSpec) -> dict[str, str]:
+    """A trial job's environment: the caller's, without any distributed-job identity or the
+    storage URL, with the allocator settings the trial config asks for (CUDA)."""
+    env = {
+        k: v
+        for k, v in base.items()
+        if k not in DISTRIBUTED_ENV and not k.startswith(DISTRIBUTED_PREFIXES) and k != STORAGE_ENV
+    }
+    env.update(
+        {
+            "PYTHONUNBUFFERED": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            CONTROLLER_ENV: str(os.getpid()),  # the job ends itself if this process dies
+        }
+    )
+    if spec.backend == "cuda" and "expandable_segments" in spec.config:
+        conf = alloc_conf_with(
+            base.get(ALLOC_CONF_ENV, ""), bool(spec.config["expandable_segments"])
+        )
+        env[ALLOC_CONF_ENV] = conf
+    return env
+
+
+def rank_reports(rank_paths: list[Path]) -> list[TrialResult | None]:
+    """Each rank's result where it wrote one (None: not yet, or not readable yet)."""
+    out: list[TrialResult | None] = []
+    for path in rank_paths:
+        try:
+            out.append(TrialResult.load(path))
+        except (OSError, ValueError):
+            out.append(None)
+    return out
+
+
+def new_trial_dir(workdir: Path, name: str) -> Path:
+    """A folder this trial creates, never one left by another run: ``name`` when it is free,
+    else ``name-<random>`` (a study recreated under the same name, a reused folder)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        (workdir / name).mkdir()
+        return workdir / name
+    except FileExistsError:
+        return Path(tempfile.mkdtemp(prefix=f"{name}-", dir=workdir))
 
 
 class TrialRunner(ABC):
@@ -34,6 +114,20 @@ class TrialRunner(ABC):
     def attrs_for(self, result: TrialResult) -> dict[str, Any]:
         """Extra user attrs for the trial (e.g. ``predicted`` for estimator-backed runners)."""
         return {}
+
+    def run_for(self, trial: TrialAttrs, spec: TrialSpec, name: str) -> TrialResult:
+        """``run`` for a trial of a study; a runner that keeps state on the trial (a Slurm job
+        id, so that a restarted controller collects the job) overrides this."""
+        return self.run(spec, name)
+
+
+class TrialAttrs(Protocol):
+    """The user attrs of a running trial (an ``optuna.Trial``)."""
+
+    @property
+    def user_attrs(self) -> dict[str, Any]: ...
+
+    def set_user_attr(self, key: str, value: Any) -> None: ...
 
 
 def _tail(path: Path, lines: int = STDERR_TAIL_LINES) -> str:
@@ -75,33 +169,29 @@ class SubprocessRunner(TrialRunner):
         """``command``, through torchrun when the trial has several ranks (one machine, no
         ssh/pdsh: ``--standalone`` picks a free rendezvous port)."""
         cmd = self.command(spec_path, result_path)
+        if spec.nodes > 1:  # N torchrun agents meeting through c10d (autotune.agents)
+            per_node = spec.nproc // spec.nodes
+            return [cmd[0], "-m", "autotune.agents", f"--nodes={spec.nodes}",
+                    f"--nproc-per-node={per_node}", "--", *cmd[2:]]  # fmt: skip
         if spec.nproc <= 1:
             return cmd
         return [
             cmd[0],
             "-m",
             "torch.distributed.run",
-            "--standalone",
+            "--standalone",  # its own rendezvous on a free port, per trial
             f"--nproc-per-node={spec.nproc}",
+            "--monitor-interval=0.5",  # a failed rank ends the others within a second
             *cmd[1:],
         ]
 
     def run(self, spec: TrialSpec, name: str) -> TrialResult:
-        trial_dir = self.workdir / name
-        trial_dir.mkdir(parents=True, exist_ok=True)
+        trial_dir = new_trial_dir(self.workdir, name)
         spec_path, result_path = trial_dir / "spec.json", trial_dir / "result.json"
         stderr_path = trial_dir / "stderr.log"
         rank_paths = [rank_result_path(result_path, r, spec.nproc) for r in range(spec.nproc)]
-        for path in rank_paths:
-            path.unlink(missing_ok=True)
         spec_path.write_text(spec.to_json())
-        env = {
-            **os.environ,
-            "PYTHONUNBUFFERED": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-            CONTROLLER_ENV: str(os.getpid()),  # the job ends itself if this process dies
-        }
-        env.pop(STORAGE_ENV, None)  # a job never needs the storage URL (it may hold a password)
+        env = trial_env(dict(os.environ), spec)
         start = time.perf_counter()
         with open(stderr_path, "wb") as err:
             proc = subprocess.Popen(
@@ -114,7 +204,7 @@ class SubprocessRunner(TrialRunner):
             )
             (trial_dir / "job.pid").write_text(str(proc.pid))
             try:
-                code = proc.wait(timeout=self.timeout_s)
+                code = self._wait(proc, rank_paths)
             except subprocess.TimeoutExpired:
                 kill_group(proc)
                 return TrialResult(
@@ -126,17 +216,26 @@ class SubprocessRunner(TrialRunner):
             except BaseException:  # Ctrl-C or the controller dying: never leave the job behind
                 kill_group(proc)
                 raise
-        if all(p.is_file() for p in rank_paths):
+        reports = rank_reports(rank_paths)
+        if all(r is not None for r in reports):
             # Every rank wrote its result: the measurement is complete. A crash after that (seen:
             # a gloo/torchrun teardown abort) does not undo it; it is kept as a warning.
-            result = merge_ranks([TrialResult.load(p) for p in rank_paths])
+            result = merge_ranks([r for r in reports if r is not None], nodes=spec.nodes)
             if result.status == "failed" or code != 0:
                 result.stderr_tail = _tail(stderr_path)
-            if code != 0:
+            if code != 0 and result.status == "ok":
                 result.stderr_tail = (
                     f"warning: the job exited with {_describe_exit(code)} after writing every "
                     f"rank's result\n{result.stderr_tail}"
                 )
+            return result
+        if any(r is not None and r.status != "ok" for r in reports):
+            # one rank ran out of memory (or failed) and the others were stopped mid-collective
+            result = merge_ranks(
+                [r for r in reports if r is not None], n_ranks=spec.nproc, nodes=spec.nodes
+            )
+            if result.status == "failed":
+                result.stderr_tail = _tail(stderr_path)
             return result
         return TrialResult(
             status="failed",
@@ -145,23 +244,69 @@ class SubprocessRunner(TrialRunner):
             wall_s=time.perf_counter() - start,
         )
 
+    def _wait(self, proc: subprocess.Popen[bytes], rank_paths: list[Path]) -> int:
+        """The job's exit code. In a multi-process trial, once a rank has reported an OOM or a
+        failure the others get ``RANK_GRACE_S`` to end (torchrun stops them) and are then
+        killed: they would otherwise wait in a collective until the trial timeout."""
+        deadline = time.monotonic() + self.timeout_s
+        bad_since: float | None = None
+        while True:
+            try:
+                return proc.wait(timeout=POLL_S)
+            except subprocess.TimeoutExpired:
+                pass
+            now = time.monotonic()
+            if now >= deadline:
+                raise subprocess.TimeoutExpired(proc.args, self.timeout_s)
+            if (
+                len(rank_paths) > 1
+                and bad_since is None
+                and any(r is not None and r.status != "ok" for r in rank_reports(rank_paths))
+            ):
+                bad_since = now
+            if bad_since is not None and now - bad_since >= RANK_GRACE_S:
+                kill_group(proc)
+                return proc.returncode
 
-def merge_ranks(results: list[TrialResult]) -> TrialResult:
+def merge_ranks(
+    results: list[TrialResult], n_ranks: int | None = None, nodes: int = 1
+) -> TrialResult:
     """One result from every rank's: the worst rank's peak (the budget is per rank), the sum of
-    tokens/s, the mean loss per step (each rank trained on its share of the batch)."""
-    if len(results) == 1:
+    tokens/s, the mean loss per step (each rank trained on its share of the batch).
+
+    ``n_ranks`` larger than the results given: the other ranks were stopped after one reported
+    an OOM or a failure; the result is that rank's (``oom_rank`` names it). ``nodes``: the hosts
+    the ranks span, ``n_ranks / nodes`` consecutive ranks on each (as torchrun numbers them); the
+    host peak is the fullest host's (its ranks' sum)."""
+    n = n_ranks or len(results)
+    if len(results) == 1 and n == 1:
         return results[0]
     worst = max(results, key=lambda r: r.peak_bytes)
-    for status in ("failed", "oom"):
+    per_host = max(1, n // max(1, nodes))
+    host_peak = max(
+        sum(r.host_peak_bytes for r in results[i : i + per_host])
+        for i in range(0, len(results), per_host)
+    )
+    for status in ("oom", "failed"):  # an OOM makes the other ranks fail: it is the cause
         bad = [r for r in results if r.status == status]
         if bad:
+            first = min(bad, key=lambda r: r.wall_s)  # the rank that hit it first
             return TrialResult(
                 status=status,
                 peak_bytes=worst.peak_bytes,
-                error=bad[0].error,
+                error=(
+                    f"rank {first.oom_rank}: {first.error}"
+                    if status == "oom" and first.oom_rank is not None and n > 1
+                    else first.error
+                ),
                 wall_s=max(r.wall_s for r in results),
                 rank_peaks=[r.peak_bytes for r in results],
-                host_peak_bytes=sum(r.host_peak_bytes for r in results),
+                construction_peak_bytes=max(r.construction_peak_bytes for r in results),
+                training_peak_bytes=max(r.training_peak_bytes for r in results),
+                oom_rank=first.oom_rank,
+                capped=first.capped,
+                alloc_conf=first.alloc_conf,
+                host_peak_bytes=host_peak,
             )
     steps = min(len(r.losses) for r in results)
     return TrialResult(
@@ -172,5 +317,13 @@ def merge_ranks(results: list[TrialResult]) -> TrialResult:
         wall_s=max(r.wall_s for r in results),
         memory_breakdown=worst.memory_breakdown,
         rank_peaks=[r.peak_bytes for r in results],
-        host_peak_bytes=sum(r.host_peak_bytes for r in results),  # the ranks share one host
+        construction_peak_bytes=max(r.construction_peak_bytes for r in results),
+        training_peak_bytes=max(r.training_peak_bytes for r in results),
+        skipped_steps=max(r.skipped_steps for r in results),
+        alloc_conf=worst.alloc_conf,
+        device_memory=worst.device_memory,
+        host_peak_bytes=host_peak,  # the ranks of one host share its memory
+        step_time_s=max(r.step_time_s for r in results),  # ranks wait for the slowest
+        step_spread=max(r.step_spread for r in results),
+        load_per_core=max(r.load_per_core for r in results),
     )

@@ -1,20 +1,63 @@
-"""From a study's trials to a decision: the winner, the Pareto front, or the closest miss.
+"""From a study's trials to a decision: a winner per fidelity class, the Pareto front, or the
+closest miss.
 
-The winner is the fastest trial that fits the budget and keeps the loss (exact techniques
-within float noise of the reference, lossy ones within the study's tolerance). Everything is
+A trial is feasible when it fits the budget and its stored loss verdict
+(``autotune/lossguard.py``) did not reject it. Within each class group (exact or mixed precision
+full training first, then reduced-precision state, other optimizers, adapters) the fastest is
+the winner only if it beats the others by more than the noise: the larger of
+``NOISE_FLOOR`` (DeepSpeed's autotuner uses 5%) and the measured spread (step times within a
+trial, and re-measurements of the finalists, ``autotune/finalists.py``). Configurations within
+the noise of the fastest tie, and a tie goes to the simplest: fewer techniques, lower ZeRO
+stage, no offload. The study's ``winner`` is the full-training one when one fits. Everything is
 recomputed from what the database holds, so ``show`` and ``run`` always agree.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import statistics
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import optuna
 from optuna.trial import TrialState
 
-from autotune.study import check_loss, reference_losses, settings_of
-from trials.techniques import is_exact
+from autotune.lossguard import LossVerdict
+from autotune.study import settings_of
+from autotune.units import format_size
+from trials.techniques import classes_up_to, fidelity_class
+
+#: the smallest speed difference that names a winner (DeepSpeed's autotuner: 5%)
+NOISE_FLOOR = 0.05
+#: 1-minute load average per CPU core, or median relative step-time spread, above which the
+#: machine is reported as loaded while measuring
+LOADED_PER_CORE = 1.0
+LOADED_SPREAD = 0.10
+#: class groups, best first: the headline answer trains the whole model in exact or mixed
+#: precision; every other class is a trade the user may accept
+GROUPS: dict[str, tuple[str, ...]] = {
+    "full": ("exact", "mixed"),
+    "reduced_state": ("reduced_state",),
+    "other_optimizer": ("other_optimizer",),
+    "adapters": ("adapters",),
+}
+GROUP_LABELS: dict[str, str] = {
+    "full": "full training, exact or mixed precision",
+    "reduced_state": "if you accept 8-bit optimizer state",
+    "other_optimizer": "if you accept another optimizer (Adafactor, Lion)",
+    "adapters": "with LoRA adapters on a frozen base",
+}
+#: plain training: a choice other than these is a technique (for "ties go to the simplest")
+PLAIN: dict[str, Any] = {
+    "gradient_checkpointing": "off",
+    "precision": "fp32",
+    "attention": "sdpa",
+    "optimizer": "adamw",
+    "quantization": "none",
+    "zero_stage": 0,
+    "offload_optimizer": "none",
+    "offload_param": "none",
+}
 
 
 @dataclass
@@ -36,11 +79,76 @@ class Row:
     stderr_tail: str = ""
     retry_of: int | None = None  # the trial whose controller died, run again as this one
     rank_peaks: list[int] | None = None  # each rank's peak in a multi-process trial
-    host_peak_bytes: int = 0  # host memory: measured peak RSS, or predicted (estimate backend)
+    #: host memory: measured peak RSS, or predicted (estimate backend); studies recorded before
+    #: RSS was measured fall back to the offloaded bytes of the breakdown
+    host_peak_bytes: int = 0
+    fidelity: str = "exact"
+    verdict: LossVerdict | None = None
+    step_spread: float = 0.0  # interquartile range of the step times / median, within the trial
+    load_per_core: float = 0.0
+    #: tokens/s of interleaved re-measurements of this configuration (finalists only)
+    remeasured: list[float] = field(default_factory=list)
+    construction_peak_bytes: int = 0  # while the model was built (before the first step)
+    training_peak_bytes: int = 0  # during the steps
+    oom_rank: int | None = None  # the rank that ran out of memory in a multi-process trial
+    capped: bool = False  # run without a budget and stopped by the physical card
+    pruned_by_estimate: bool = False  # an OOM predicted by the estimator, never run
 
     @property
     def feasible(self) -> bool:
         return self.status == "ok" and self.fits and self.loss_ok is not False
+
+    @property
+    def speed(self) -> float:
+        """The tokens/s decisions use: the median over the trial and its re-measurements."""
+        return statistics.median([self.tokens_per_s, *self.remeasured])
+
+    @property
+    def spread(self) -> float:
+        """Relative noise of ``speed``: the larger of the within-trial step-time spread and the
+        range of the re-measurements."""
+        samples = [self.tokens_per_s, *self.remeasured]
+        between = (max(samples) - min(samples)) / self.speed if self.speed > 0 else 0.0
+        return max(self.step_spread, between)
+
+
+def simplicity(config: dict[str, Any]) -> tuple[int, int, int]:
+    """(techniques used, ZeRO stage, offloads): smaller is simpler."""
+    used = sum(1 for k, plain in PLAIN.items() if k in config and config[k] != plain)
+    offloads = sum(config.get(k, "none") != "none" for k in ("offload_optimizer", "offload_param"))
+    return used, int(config.get("zero_stage", 0) or 0), offloads
+
+
+@dataclass
+class ClassResult:
+    """One class group's answer: its winner and the configurations it ties with."""
+
+    group: str
+    winner: Row | None
+    ties: list[Row] = field(default_factory=list)  # within ``margin`` of the fastest
+    margin: float = NOISE_FLOOR
+    searched: bool = True  # False: --allow left this group out
+    tried: int = 0  # trials of this group that ran to the end or out of memory
+
+    @property
+    def contenders(self) -> list[Row]:
+        return ([self.winner] if self.winner else []) + self.ties
+
+
+def margin_between(a: Row, b: Row) -> float:
+    return max(NOISE_FLOOR, a.spread, b.spread)
+
+
+def decide(feasible: list[Row]) -> tuple[Row | None, list[Row], float]:
+    """The winner among feasible rows, the rows it ties with, and the margin used."""
+    if not feasible:
+        return None, [], NOISE_FLOOR
+    best = max(feasible, key=lambda r: r.speed)
+    contenders = [r for r in feasible if r.speed >= best.speed * (1 - margin_between(best, r))]
+    winner = min(contenders, key=lambda r: (*simplicity(r.config), -r.speed, r.number))
+    margin = max(margin_between(best, r) for r in contenders)
+    ties = sorted((r for r in contenders if r is not winner), key=lambda r: -r.speed)
+    return winner, ties, margin
 
 
 @dataclass
@@ -50,6 +158,16 @@ class Selection:
     pareto: list[Row]
     closest: Row | None  # when nothing is feasible: the smallest peak among trials that ran
     budget_bytes: int
+    classes: dict[str, ClassResult] = field(default_factory=dict)  # GROUPS key -> answer
+    load_warning: str = ""  # the machine was loaded while measuring: speeds are noisier
+
+    @property
+    def ties(self) -> list[Row]:
+        """The configurations the winner ties with (its group's)."""
+        for result in self.classes.values():
+            if result.winner is not None and result.winner is self.winner:
+                return result.ties
+        return []
 
 
 #: a FAIL with no reason of its own: its controller stopped heartbeating (killed, machine lost)
@@ -58,7 +176,7 @@ STALE = "its controller stopped mid-trial (no heartbeat)"
 
 def rows_of(study: optuna.Study) -> list[Row]:
     settings = settings_of(study)
-    ref = reference_losses(study)
+    remeasured: dict[str, list[float]] = study.user_attrs.get("remeasured") or {}
     rows = []
     for t in study.get_trials(deepcopy=False):
         a = t.user_attrs
@@ -72,11 +190,9 @@ def rows_of(study: optuna.Study) -> list[Row]:
             status = "failed"
         config = a.get("config") or {}
         peak = int(a.get("peak_bytes") or 0)
-        check = None
-        if ref is not None and status == "ok" and a.get("losses"):
-            check = check_loss(
-                a["losses"], ref, is_exact(config), settings.loss_tolerance, settings.measured_steps
-            )
+        # the verdict stored by the objective (autotune/lossguard.py), never recomputed here
+        verdict = LossVerdict.from_attrs(a.get("loss_verdict")) if status == "ok" else None
+        breakdown = a.get("memory_breakdown") or {}
         rows.append(
             Row(
                 number=t.number,
@@ -84,19 +200,31 @@ def rows_of(study: optuna.Study) -> list[Row]:
                 status=status,
                 peak_bytes=peak,
                 tokens_per_s=float(a.get("tokens_per_s") or 0.0),
-                loss_regression=check.regression if check else None,
-                loss_tolerance=check.tolerance if check else None,
+                loss_regression=verdict.regression if verdict else None,
+                loss_tolerance=verdict.tolerance if verdict else None,
                 fits=status == "ok" and peak <= settings.budget_bytes,
-                loss_ok=check.ok if check else None,
+                loss_ok=verdict.ok if verdict else None,
                 role=a.get("role", ""),
                 error=a.get("error", "") or (STALE if t.state == TrialState.FAIL else ""),
                 duplicate_of=a.get("duplicate_of"),
-                memory_breakdown=a.get("memory_breakdown") or None,
+                memory_breakdown=breakdown or None,
                 predicted=bool(a.get("predicted", False)),
                 stderr_tail=a.get("stderr_tail") or "",
                 retry_of=(t.system_attrs.get("retry_history") or [None])[-1],
                 rank_peaks=a.get("rank_peaks") or None,
-                host_peak_bytes=int(a.get("host_peak_bytes") or 0),
+                host_peak_bytes=int(
+                    a.get("host_peak_bytes") or breakdown.get("host_offloaded") or 0
+                ),
+                fidelity=a.get("fidelity") or fidelity_class(config),
+                verdict=verdict,
+                step_spread=float(a.get("step_spread") or 0.0),
+                load_per_core=float(a.get("load_per_core") or 0.0),
+                remeasured=[float(x) for x in remeasured.get(str(t.number), [])],
+                construction_peak_bytes=int(a.get("construction_peak_bytes") or 0),
+                training_peak_bytes=int(a.get("training_peak_bytes") or 0),
+                oom_rank=a.get("oom_rank"),
+                capped=bool(a.get("capped", False)),
+                pruned_by_estimate=bool(a.get("pruned_by_estimate", False)),
             )
         )
     return rows
@@ -120,16 +248,100 @@ def pareto_front(rows: list[Row]) -> list[Row]:
     return sorted(front, key=lambda r: r.peak_bytes)
 
 
+def machine_load(rows: list[Row]) -> str:
+    """A warning when the machine was loaded while the trials measured speed, else ''."""
+    ran = [r for r in rows if r.status == "ok" and not r.predicted and r.duplicate_of is None]
+    if not ran:
+        return ""
+    load = statistics.median(r.load_per_core for r in ran)
+    spread = statistics.median(r.step_spread for r in ran)
+    if load <= LOADED_PER_CORE and spread <= LOADED_SPREAD:
+        return ""
+    return (
+        f"the machine was loaded while measuring (load {load:.1f} per core, median step-time "
+        f"spread {spread:.0%}): speed differences within the noise are reported as ties"
+    )
+
+
 def select(study: optuna.Study) -> Selection:
     settings = settings_of(study)
     rows = rows_of(study)
-    feasible = [r for r in rows if r.feasible and r.duplicate_of is None]
-    winner = max(feasible, key=lambda r: r.tokens_per_s) if feasible else None
-    measured = [r for r in rows if r.status in ("ok", "oom") and r.peak_bytes > 0]
+    allowed = classes_up_to(settings.allow)
+    classes = {}
+    for group, members in GROUPS.items():
+        mine = [r for r in rows if r.fidelity in members and r.duplicate_of is None]
+        feasible = [r for r in mine if r.feasible]
+        tried = sum(r.status in ("ok", "oom") for r in mine)
+        winner, ties, margin = decide(feasible)
+        classes[group] = ClassResult(
+            group, winner, ties, margin, any(c in allowed for c in members), tried
+        )
+    # the most faithful group that has a feasible configuration gives the headline winner
+    winner = next((c.winner for c in classes.values() if c.winner is not None), None)
+    measured = [
+        r
+        for r in rows
+        if r.status in ("ok", "oom") and r.peak_bytes > 0 and not r.pruned_by_estimate
+    ]
     closest = None
     if winner is None and measured:
         closest = min(measured, key=lambda r: r.peak_bytes)
-    return Selection(rows, winner, pareto_front(rows), closest, settings.budget_bytes)
+    return Selection(
+        rows,
+        winner,
+        pareto_front(rows),
+        closest,
+        settings.budget_bytes,
+        classes,
+        machine_load(rows),
+    )
+
+
+def class_summary(sel: Selection, describe: Callable[[dict[str, Any]], str]) -> list[str]:
+    """One plain-text line per class group, the full-training answer first: its configuration,
+    device peak, host memory, tokens/s, ties and the loss verdict's source."""
+    lines = []
+    budget = format_size(sel.budget_bytes)
+    for group, result in sel.classes.items():
+        label = GROUP_LABELS[group]
+        if not result.searched:
+            widest = GROUPS[group][-1]
+            lines.append(f"{label}: not searched (--allow {widest} includes it)")
+            continue
+        w = result.winner
+        if w is None:
+            what = f"{result.tried} tried, none fits {budget}" if result.tried else "not tried"
+            lines.append(f"{label}: {what}")
+            continue
+        host = f", host {format_size(w.host_peak_bytes)}" if w.host_peak_bytes else ""
+        line = (
+            f"{label}: trial {w.number}: {describe(w.config)}: peak {format_size(w.peak_bytes)}"
+            f" of {budget}{host}, {w.speed:,.0f} tokens/s"
+        )
+        if result.ties:
+            others = ", ".join(f"#{r.number}" for r in result.ties[:3])
+            if len(result.ties) > 3:
+                others += f" and {len(result.ties) - 3} more"
+            line += f"; ties with {others} within {result.margin:.0%}: the simplest is named"
+        lines.append(line + f"; loss: {verdict_text(w)}")
+    return lines
+
+
+def verdict_text(row: Row) -> str:
+    """How the row's loss verdict was reached, in words."""
+    v = row.verdict
+    if v is None:
+        return "no verdict (did not run to the end)"
+    if v.via == "reference" and row.role == "reference":
+        return "the reference"
+    if v.via == "none":
+        return f"no verdict: {v.note}"
+    assert v.regression is not None and v.tolerance is not None
+    result = "within" if v.ok else "over"
+    if v.via == "reference":
+        return f"matches the reference to {v.regression:.0e} per step ({result} {v.tolerance:.0e})"
+    noise = f" ±{v.noise:.2%} seed noise" if v.noise is not None else ""
+    return f"{v.regression:+.2%}{noise} on a probe, {result} tolerance {v.tolerance:.0%} ({v.note})"
 
 
 def selection_json(study: optuna.Study) -> dict[str, Any]:
@@ -140,6 +352,8 @@ def selection_json(study: optuna.Study) -> dict[str, Any]:
     for r in sel.rows:
         d = asdict(r)
         d["feasible"] = r.feasible
+        d["speed"] = r.speed
+        d["spread"] = r.spread
         rows.append(d)
     return {
         "study": study.study_name,
@@ -149,5 +363,16 @@ def selection_json(study: optuna.Study) -> dict[str, Any]:
         "winner": sel.winner.number if sel.winner else None,
         "closest": sel.closest.number if sel.closest else None,
         "pareto": [r.number for r in sel.pareto],
+        "ties": [r.number for r in sel.ties],
+        "classes": {
+            g: {
+                "winner": c.winner.number if c.winner else None,
+                "ties": [r.number for r in c.ties],
+                "margin": c.margin,
+                "searched": c.searched,
+            }
+            for g, c in sel.classes.items()
+        },
+        "load_warning": sel.load_warning,
         "trials": rows,
     }

@@ -18,9 +18,16 @@ from pathlib import Path
 from typing import Any
 
 from autotune.errors import UserError
-from autotune.hardware import Hardware, unavailable_reason
+from autotune.hardware import Hardware, dimension_unavailable_reason, unavailable_reason
 from autotune.yaml_limits import load_yaml, parse_yaml
-from trials.techniques import ATTENTION, CHECKPOINTING, OPTIMIZERS, PRECISIONS
+from trials.techniques import (
+    ATTENTION,
+    CHECKPOINTING,
+    FIDELITY_CLASSES,
+    OPTIMIZERS,
+    PRECISIONS,
+    choice_fidelity,
+)
 
 Choice = str | int | float | bool
 
@@ -42,6 +49,9 @@ KNOWN_DIMENSIONS: dict[str, tuple[Choice, ...] | None] = {
     "allgather_bucket_size": None,
     "overlap_comm": (True, False),
     "contiguous_gradients": (True, False),
+    # the CUDA caching allocator's PYTORCH_CUDA_ALLOC_CONF=expandable_segments (less
+    # fragmentation, a lower reserved peak); the runner sets it per trial
+    "expandable_segments": (False, True),
 }
 
 #: YAML 1.1 reads bare yes/no/on/off as booleans, and 5e6 (no dot) as a string: accept both
@@ -159,12 +169,22 @@ class SearchSpace:
 
     # --- resolving against a study ------------------------------------------------------------
 
-    def resolve(self, global_batch_size: int, hardware: Hardware) -> SearchSpace:
-        """Drop micro-batches that don't divide the global batch and choices the hardware lacks."""
+    def resolve(
+        self,
+        global_batch_size: int,
+        hardware: Hardware,
+        allow: tuple[str, ...] = FIDELITY_CLASSES,
+    ) -> SearchSpace:
+        """Drop micro-batches that don't divide the global batch, choices the hardware lacks and
+        choices of a fidelity class outside ``allow`` (``trials.techniques.classes_up_to``)."""
         dropped: list[str] = []
         dims = []
         present = {d.name for d in self.dimensions}
         for d in self.dimensions:
+            whole = dimension_unavailable_reason(hardware, d.name)
+            if whole:  # the dimension means nothing here: dropped whole, its choices with it
+                dropped.append(f"{d.name}: {whole}")
+                continue
             keep = []
             for c in d.choices:
                 if d.name == "micro_batch_size" and (
@@ -172,6 +192,9 @@ class SearchSpace:
                 ):
                     continue
                 reason = unavailable_reason(hardware, d.name, c, present)
+                cls = choice_fidelity(d.name, c)
+                if not reason and cls not in allow:
+                    reason = f"fidelity class {cls} is not searched (--allow {cls} includes it)"
                 if reason:
                     dropped.append(f"{d.name}={c}: {reason}")
                 else:
@@ -179,7 +202,8 @@ class SearchSpace:
             if not keep:
                 raise UserError(
                     f"search space {self.source}: no choice of '{d.name}' can run here "
-                    f"(global batch {global_batch_size}, {hardware.backend})"
+                    f"(global batch {global_batch_size}, {hardware.backend}, "
+                    f"fidelity classes {', '.join(allow)})"
                 )
             dims.append(Dimension(d.name, tuple(keep), d.when))
         # a reference value this machine or batch can't run falls back to the first choice
@@ -187,6 +211,21 @@ class SearchSpace:
         kept = {d.name: d.choices for d in dims}
         reference = {k: v for k, v in self.reference.items() if v in kept[k]}
         return SearchSpace(dims, _rules_within(self.rules, dims), reference, self.source, dropped)
+
+    def restrict(self, allow: tuple[str, ...]) -> SearchSpace:
+        """The same space with only the choices of the fidelity classes in ``allow``."""
+        dims = [
+            Dimension(
+                d.name, tuple(c for c in d.choices if choice_fidelity(d.name, c) in allow), d.when
+            )
+            for d in self.dimensions
+        ]
+        empty = next((d.name for d in dims if not d.choices), None)
+        if empty is not None:
+            raise UserError(f"search space {self.source}: no choice of '{empty}' is in {allow}")
+        return SearchSpace(
+            dims, _rules_within(self.rules, dims), dict(self.reference), self.source, []
+        )
 
     # --- sampling -----------------------------------------------------------------------------
 

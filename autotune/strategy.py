@@ -100,7 +100,9 @@ def needs_no_less_memory(candidate: Config, known_oom: Config) -> bool:
 @dataclass
 class Observation:
     config: Config
-    status: str  # ok | oom | failed (crashed: tried, nothing learnt) | running
+    #: ok | oom (measured) | predicted_oom (the pre-screen's: never run, implies nothing about
+    #: other configurations) | failed (deterministic: never proposed again) | running
+    status: str
     peak_bytes: float
     tokens_per_s: float
     #: relative loss regression against the reference (None: not measured)
@@ -108,27 +110,19 @@ class Observation:
 
 
 def observations(study: optuna.Study) -> list[Observation]:
-    """What the study measured; a crashed trial (FAIL with its config) counts as tried, so a
-    configuration that crashes is not proposed again and again."""
     out = []
-    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL)):
+    for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
         a = t.user_attrs
-        if "config" not in a:
+        if "config" not in a or a.get("status") not in ("ok", "oom", "failed"):
             continue
-        if t.state == TrialState.FAIL:
-            # an interrupted trial (Ctrl-C) did not crash: it may be proposed again
-            if a.get("status") == "failed" and not str(a.get("error", "")).startswith(
-                "interrupted"
-            ):
-                out.append(Observation(a["config"], "failed", 0.0, 0.0))
-            continue
-        if a.get("status") not in ("ok", "oom"):
-            continue
+        status = a["status"]
+        if status == "oom" and a.get("pruned_by_estimate"):
+            status = "predicted_oom"
         regression = a.get("loss_regression")
         out.append(
             Observation(
                 a["config"],
-                a["status"],
+                status,
                 float(a.get("peak_bytes") or 0.0),
                 float(a.get("tokens_per_s") or 0.0),
                 float(regression) if regression is not None else None,
@@ -390,6 +384,7 @@ def analytical_predictor(
     global_batch_size: int,
     nproc: int,
     gpu_key: str | None,
+    nodes: int = 1,
 ) -> Predictor:
     """The analytical estimator's (peak, tokens/s) for a target GPU, or a nominal CPU."""
     from autotune.estimator.analytical import AnalyticalEstimator
@@ -411,6 +406,8 @@ def analytical_predictor(
             (0, 0),
         )
     )
+    if nodes > 1:
+        gpu = gpu.spanning(nodes, nproc // nodes)
     estimator = AnalyticalEstimator()
 
     def predict(config: Config) -> tuple[float, float]:

@@ -8,11 +8,12 @@ FAIL, with its reason stored on the trial.
 
 from __future__ import annotations
 
-import math
+import contextlib
 import re
 import time
+import uuid
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,15 +23,16 @@ from optuna.storages import RDBStorage
 from optuna.trial import FrozenTrial, TrialState
 
 from autotune.errors import UserError
+from autotune.lossguard import Prober, judge
 from autotune.runner import TrialRunner
 from autotune.space import SearchSpace
 from trials.spec import TrialResult, TrialSpec
-from trials.techniques import is_exact
+from trials.techniques import fidelity_class
 
 DEFAULT_STORAGE = "sqlite:///autotune.db"
-#: per-step relative loss difference allowed for exact techniques (float reassociation noise)
-EXACT_RTOL = 1e-3
 MIB = 2**20
+#: the widest fidelity class searched unless ``--allow`` says otherwise: all but adapters
+DEFAULT_ALLOW = "other_optimizer"
 
 
 @dataclass
@@ -47,12 +49,24 @@ class StudySettings:
     space: dict[str, Any]
     loss_tolerance: float = 0.02
     warmup_steps: int = 2
-    measured_steps: int = 2
+    #: timed steps; tokens/s comes from their median step time (trials/job.py)
+    measured_steps: int = 6
     seed: int = 0
     lr: float = 3e-3
-    nproc: int = 1
+    nproc: int = 1  # ranks per trial, in all
+    nodes: int = 1  # nodes a trial spans (``nproc / nodes`` ranks on each)
+    #: how trials start (``autotune.launchers``): {"name": "local"|"slurm", options...}; not
+    #: part of the identity: the same study may be continued through another launcher
+    launcher: dict[str, Any] = field(default_factory=dict)
     target_gpu: str = ""  # backend "estimate": the GPU the predictions are for (gpus.GPUS key)
     host_budget_bytes: int = 0  # host RAM a trial may use (--host-memory); 0: unlimited
+    #: the widest fidelity class searched (``trials.techniques.classes_up_to``)
+    allow: str = DEFAULT_ALLOW
+    #: loss probes of lossy numerics on a proxy (autotune/lossguard.py); 0 steps: none
+    probe_steps: int = 200
+    probe_seeds: int = 2
+    #: interleaved re-measurement rounds of the finalists (autotune/finalists.py); 0: none
+    confirm_rounds: int = 2
     #: keys that must match to add trials to an existing study
     identity: tuple[str, ...] = field(
         default=(
@@ -61,14 +75,18 @@ class StudySettings:
             "backend",
             "seq_len",
             "global_batch_size",
+            "allow",
             "space",
             "nproc",
+            "nodes",
         ),
         repr=False,
     )
 
     def default_study_name(self) -> str:
         ranks = f"-x{self.nproc}" if self.nproc > 1 else ""
+        if self.nodes > 1:
+            ranks = f"-{self.nodes}x{self.nproc // self.nodes}"
         return f"{self.model}-{self.budget_label}-{self.backend}{ranks}"
 
     def to_attrs(self) -> dict[str, Any]:
@@ -94,6 +112,7 @@ class StudySettings:
             seed=self.seed,
             lr=self.lr,
             nproc=self.nproc,
+            nodes=self.nodes,
             host_budget_bytes=self.host_budget_bytes or None,
         )
 
@@ -131,6 +150,9 @@ def create_or_load(
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 study.set_metric_names(["tokens_per_s", "peak_mib"])
+            # before the settings: a process joining this study waits for the settings, so it
+            # finds the folder id too and shares the study's folders
+            study.set_user_attr(FOLDER_ID_ATTR, uuid.uuid4().hex[:12])
             study.set_user_attr("settings", settings.to_attrs())
             return study
     study = optuna.load_study(study_name=name, storage=storage)
@@ -197,50 +219,64 @@ def settings_of(study: optuna.Study) -> StudySettings:
 # --- loss reference --------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class LossCheck:
-    regression: float  # relative; exact: max per-step |diff|, lossy: mean of measured steps
-    tolerance: float
-    exact: bool
-
-    @property
-    def ok(self) -> bool:
-        return self.regression <= self.tolerance
-
-
-def check_loss(
-    losses: Sequence[float], reference: Sequence[float], exact: bool, tolerance: float, last: int
-) -> LossCheck | None:
-    """Compare a trial's per-step losses with the reference's (same seed, same data)."""
-    n = min(len(losses), len(reference))
-    if n == 0 or any(not math.isfinite(x) for x in losses[:n]):
-        return None if n == 0 else LossCheck(math.inf, EXACT_RTOL if exact else tolerance, exact)
-    if exact:
-        worst = max(abs(a - b) / abs(b) for a, b in zip(losses[:n], reference[:n], strict=True))
-        return LossCheck(worst, EXACT_RTOL, True)
-    k = max(1, min(last, n))
-    mean, ref = sum(losses[n - k : n]) / k, sum(reference[n - k : n]) / k
-    return LossCheck((mean - ref) / abs(ref), tolerance, False)
-
-
 def reference_losses(study: optuna.Study) -> list[float] | None:
     ref = study.user_attrs.get("reference_losses")
     return list(ref) if ref else None
 
 
+def least_memory_exact(space: SearchSpace, settings: StudySettings) -> dict[str, Any]:
+    """The exact configuration of the space predicted to need the least device memory (e.g.
+    ZeRO-3 with both offloads, full checkpointing, micro-batch 1): if anything exact fits, it
+    does. Ties go to the space's ``reference`` preferences, then to the first in grid order."""
+    exact = space.restrict(("exact",)).grid()
+    from autotune.strategy import analytical_predictor  # numpy and the estimator: only here
+
+    predict = analytical_predictor(
+        settings.model_config,
+        seq_len=settings.seq_len,
+        global_batch_size=settings.global_batch_size,
+        nproc=settings.nproc,
+        gpu_key=settings.target_gpu or None,
+    )
+
+    def key(item: tuple[int, dict[str, Any]]) -> tuple[float, int, int]:
+        i, config = item
+        prefer = sum(config.get(k) == v for k, v in space.reference.items())
+        return (predict(config)[0], -prefer, i)
+
+    return min(enumerate(exact), key=key)[1]
+
+
 def ensure_reference(study: optuna.Study, space: SearchSpace) -> None:
-    """Queue the exact reference as the next trial unless it ran or is queued/running."""
+    """Queue the exact reference once per study: never again once a reference trial exists in
+    any state (a crashed one is retried by the heartbeat callback, not here)."""
     if reference_losses(study) is not None:
         return
+    if any(t.user_attrs.get("role") == "reference" for t in study.get_trials(deepcopy=False)):
+        return
+    config = study.user_attrs.get("reference_config")
+    if config is None:
+        try:
+            config = least_memory_exact(space, settings_of(study))
+        except (KeyError, ValueError, NotImplementedError):
+            # an architecture the analytical estimator does not know: the space's preferences
+            config = space.restrict(("exact",)).reference_config()
+        study.set_user_attr("reference_config", config)
+    study.enqueue_trial(space.params_for(config), user_attrs={"role": "reference"})
+
+
+def no_reference_why(study: optuna.Study) -> str:
+    """Why exact trials of this study have no reference curve to be checked against."""
     for t in study.get_trials(deepcopy=False):
-        if t.user_attrs.get("role") == "reference" and t.state in (
-            TrialState.WAITING,
-            TrialState.RUNNING,
-        ):
-            return
-    study.enqueue_trial(
-        space.params_for(space.reference_config()), user_attrs={"role": "reference"}
-    )
+        if t.user_attrs.get("role") != "reference":
+            continue
+        if t.state == TrialState.RUNNING:
+            return f"the reference (trial {t.number}) is still running"
+        error = t.user_attrs.get("error") or t.state.name.lower()
+        return f"the reference (trial {t.number}) has no curve: {error}"
+    if settings_of(study).backend == "estimate":
+        return "predicted, not trained (exact by construction)"
+    return "no reference trial yet"
 
 
 def _earlier_reference(study: optuna.Study, number: int) -> bool:
@@ -289,23 +325,97 @@ _RESULT_ATTRS = (
     "memory_breakdown",
     "stderr_tail",
     "rank_peaks",
+    "construction_peak_bytes",
+    "training_peak_bytes",
+    "oom_rank",
+    "capped",
+    "skipped_steps",
+    "alloc_conf",
+    "device_memory",
     "host_peak_bytes",
+    "step_time_s",
+    "step_spread",
+    "load_per_core",
 )
+
+
+def deterministic_failure(result: TrialResult) -> bool:
+    """A failure the same configuration would hit again (an exception in the job, an
+    unsupported combination, a crash), unlike a time limit, which a busy machine can cause."""
+    return result.status == "failed" and not result.error.startswith("timed out")
+
+
+class ResultNotStored(Exception):
+    """The trial ran but its result could not be written to the storage (a full disk, a lost
+    database): the trial is marked failed where the storage still allows it."""
+
+    def __init__(self, number: int, reason: str) -> None:
+        super().__init__(f"could not store trial {number}'s result: {reason}")
+        self.number = number
+
+
+def storage_errors() -> tuple[type[BaseException], ...]:
+    """What a failed write to the study's storage raises (SQLAlchemy wraps the driver's)."""
+    from optuna.exceptions import StorageInternalError
+    from sqlalchemy.exc import SQLAlchemyError
+
+    return (SQLAlchemyError, StorageInternalError, OSError)
+
+
+def write_error_reason(exc: BaseException) -> str:
+    """The driver's own words (``database or disk is full``) under Optuna's and SQLAlchemy's
+    wrappers: the first line of the innermost cause."""
+    inner: BaseException = exc
+    while inner.__cause__ is not None or inner.__context__ is not None:
+        inner = inner.__cause__ or inner.__context__  # type: ignore[assignment]
+    text = str(inner).strip().splitlines()
+    return (text[0] if text else type(inner).__name__)[:300]
+
+
+def fail_running_trial(study: optuna.Study, number: int | None, attempts: int = 3) -> str:
+    """After a write error: mark trial ``number`` failed if it is still RUNNING (Optuna itself
+    tries first); say what became of it, in words for the one line the command ends with."""
+    if number is None:
+        return "no trial was running"
+    for attempt in range(attempts):
+        try:
+            state = study.get_trials(deepcopy=False)[number].state
+            if state == TrialState.RUNNING:
+                study.tell(number, state=TrialState.FAIL)
+            return f"trial {number} is marked failed"
+        except storage_errors():
+            time.sleep(0.5 * (attempt + 1))
+    return (
+        f"trial {number} could not be marked failed either; the next `autotune resume` fails it "
+        "once its heartbeat has expired"
+    )
 
 
 class Objective:
     """Sample a config, run it (or reuse an identical finished trial), record it."""
 
-    def __init__(self, study: optuna.Study, space: SearchSpace, runner: TrialRunner) -> None:
+    def __init__(
+        self,
+        study: optuna.Study,
+        space: SearchSpace,
+        runner: TrialRunner,
+        prober: Prober | None = None,
+        no_probe_why: str = "",
+    ) -> None:
         self.study = study
         self.space = space
         self.runner = runner
         self.settings = settings_of(study)
+        self.prober = prober  # lossy numerics are judged on a proxy (autotune/lossguard.py)
+        self.no_probe_why = no_probe_why
         self.on_result: Callable[[FrozenTrial | optuna.Trial, TrialResult], None] | None = None
+        self.current: int | None = None  # the number of the trial being run
 
     def __call__(self, trial: optuna.Trial) -> tuple[float, float]:
+        self.current = trial.number
         config = self.space.sample(trial.suggest_categorical)  # type: ignore[arg-type]
         trial.set_user_attr("config", config)
+        trial.set_user_attr("fidelity", fidelity_class(config))
         role = trial.user_attrs.get("role")
         if role == "reference" and _earlier_reference(self.study, trial.number):
             role = ""  # queued twice by processes that started together: one reference is enough
@@ -330,8 +440,8 @@ class Objective:
             # and is judged against the budget afterwards.
             budget = None if unbounded else self.settings.budget_bytes
             try:
-                result = self.runner.run(
-                    self.settings.spec(config, budget), f"trial-{trial.number}"
+                result = self.runner.run_for(
+                    trial, self.settings.spec(config, budget), f"trial-{trial.number}"
                 )
             except KeyboardInterrupt:  # the runner has killed the job; say so on the trial
                 trial.set_user_attr("status", "failed")
@@ -344,60 +454,93 @@ class Objective:
             ):
                 result.status = "oom"
                 result.error = f"{role} ran unbounded; its peak is over the budget"
-        for key in _RESULT_ATTRS:
-            trial.set_user_attr(key, getattr(result, key))
-        for key, value in self.runner.attrs_for(result).items():
-            trial.set_user_attr(key, value)
+        try:
+            for key in _RESULT_ATTRS:
+                trial.set_user_attr(key, getattr(result, key))
+            for key, value in self.runner.attrs_for(result).items():
+                trial.set_user_attr(key, value)
+        except storage_errors() as exc:
+            reason = write_error_reason(exc)
+            with contextlib.suppress(*storage_errors()):  # as much as the storage still takes
+                trial.set_user_attr("status", "failed")
+                trial.set_user_attr("error", f"result not stored: {reason}")
+            raise ResultNotStored(trial.number, reason) from exc
         if self.on_result:
             self.on_result(trial, result)
-        if result.status == "failed":
+        if result.status == "failed" and not deterministic_failure(result):
             raise TrialCrashed(result.error)
-
+        if result.status == "failed":
+            # The same configuration would fail again: a completed trial that violates the
+            # ``failed`` constraint, so every sampler sees it as infeasible and autotune's never
+            # proposes it again (an identical proposal reuses this result: find_duplicate).
+            return self._constrain(trial, memory=0.0, loss=0.0, failed=1.0, result=result)
         if is_reference and result.losses:
             self.study.set_user_attr("reference_losses", result.losses)
             self.study.set_user_attr("reference_trial", trial.number)
-        ref = reference_losses(self.study)
-        check = None
-        if ref is not None and result.status == "ok":
-            check = check_loss(
+        verdict = None
+        if result.status == "ok":
+            verdict = judge(
+                config,
                 result.losses,
-                ref,
-                is_exact(config),
-                self.settings.loss_tolerance,
-                self.settings.measured_steps,
+                is_reference=is_reference,
+                reference=reference_losses(self.study),
+                no_reference_why="" if is_reference else no_reference_why(self.study),
+                prober=self.prober,
+                no_probe_why=self.no_probe_why,
+                tolerance=self.settings.loss_tolerance,
             )
-        if check is not None:
-            trial.set_user_attr("loss_regression", check.regression)
-            trial.set_user_attr("loss_tolerance", check.tolerance)
+            # the one stored verdict: selector, ladder, report and strategy read it from here
+            trial.set_user_attr("loss_verdict", verdict.to_attrs())
+            if verdict.regression is not None:
+                trial.set_user_attr("loss_regression", verdict.regression)
+                trial.set_user_attr("loss_tolerance", verdict.tolerance)
         budget = self.settings.budget_bytes
         over = (
             (result.peak_bytes - budget) / budget
             if result.status == "ok"
             else max(1e-6, (result.peak_bytes - budget) / budget)
         )
-        loss_violation = (check.regression - check.tolerance) if check else 0.0
+        loss_violation = (
+            verdict.regression - verdict.tolerance
+            if verdict is not None
+            and verdict.regression is not None
+            and verdict.tolerance is not None
+            else 0.0
+        )
+        return self._constrain(
+            trial, memory=over, loss=min(loss_violation, 1e6), failed=0.0, result=result
+        )
+
+    def _constrain(
+        self, trial: optuna.Trial, *, memory: float, loss: float, failed: float, result: TrialResult
+    ) -> tuple[float, float]:
         # <= 0 is feasible; the sampler reads these from the trial (Optuna's set_constraint)
-        constraints = {"memory": over, "loss": min(loss_violation, 1e6)}
+        constraints = {"memory": memory, "loss": loss, "failed": failed}
         for name, value in constraints.items():
             trial.set_constraint(name, value)
         # optuna-dashboard (0.21) shows only the old list format of constraints: a copy as a
         # user attr makes feasibility visible there without counting any constraint twice
         trial.set_user_attr("constraints", constraints)
-        return result.tokens_per_s, result.peak_bytes / MIB
+        peak = result.peak_bytes or (self.settings.budget_bytes if failed > 0 else 0)
+        return result.tokens_per_s, peak / MIB
 
 
 def _autotune_sampler(
     study: optuna.Study, space: SearchSpace, seed: int
 ) -> optuna.samplers.BaseSampler:
+    from autotune.hardware import detected_gpu_key
     from autotune.strategy import AutotuneSampler, analytical_predictor
 
     s = settings_of(study)
+    # on a real GPU the prior is that GPU's spec (a card the table lacks keeps the nominal one)
+    gpu_key = s.target_gpu or (detected_gpu_key() if s.backend == "cuda" else None)
     predict = analytical_predictor(
         s.model_config,
         seq_len=s.seq_len,
         global_batch_size=s.global_batch_size,
         nproc=s.nproc,
-        gpu_key=s.target_gpu or None,
+        gpu_key=gpu_key,
+        nodes=s.nodes,
     )
     return AutotuneSampler(
         space.grid(), predict, s.budget_bytes, seed=seed, loss_tolerance=s.loss_tolerance
@@ -438,6 +581,17 @@ def make_sampler(
     return STRATEGIES[strategy](study, space, seed + n_done + salt)
 
 
-def workdir_for(study_name: str) -> Path:
-    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", study_name)
-    return Path("autotune_runs") / safe
+#: study user attr: a random id made once per study, which names its trial folders
+FOLDER_ID_ATTR = "folder_id"
+
+
+def workdir_for(study: optuna.Study, root: Path = Path("autotune_runs")) -> Path:
+    """The study's trial folders: ``<root>/<name>-<id>``, the id random and kept with the study,
+    so two databases holding a study of the same name, or names that read alike once made
+    safe for a path, never share folders (nor read each other's results)."""
+    folder_id = study.user_attrs.get(FOLDER_ID_ATTR)
+    if not folder_id:
+        folder_id = uuid.uuid4().hex[:12]
+        study.set_user_attr(FOLDER_ID_ATTR, folder_id)
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", study.study_name)
+    return root / f"{safe}-{folder_id}"

@@ -132,6 +132,9 @@ def study_search(reality: Reality, factory: SamplerFactory, seed: int, cap: int)
         space=reality.space.as_dict(),
         seed=seed,
         nproc=reality.nproc,
+        # a study on the GPU detects it (hardware.detected_gpu_key) and its prior is priced for
+        # it; this machine has none, so the reality's GPU is named
+        target_gpu=reality.gpu,
     )
     study = create_or_load(optuna.storages.InMemoryStorage(), "bench", settings)  # type: ignore[arg-type]
     objective = Objective(study, reality.space, ReplayRunner(search))
@@ -344,6 +347,7 @@ def traced(seed: int) -> Reality:
         "construction peak; speed from the roofline the analytical estimator also uses",
         nproc=4,
         backend="cuda",
+        gpu="rtx4090",
         hardware=cuda_hardware(4),
     )
 
@@ -407,6 +411,7 @@ def interactions(seed: int) -> Reality:
             "seq_len": entry.seq_len,
             "global_batch_size": entry.global_batch_size,
             "nproc": INTERACTION_NPROC,
+            "gpu": INTERACTION_GPU,
         },
         "synthetic: the analytical model (on the target GPU) times log-normal main effects, "
         "pairwise interaction terms and noise, with 4 crashing pairs of choices per seed",

@@ -19,6 +19,8 @@ TINY = REGISTRY["tiny-llama"].config
 #: tiny-llama at seq 64, global batch 8: about 184 MB at micro-batch 8 without checkpointing,
 #: 135-142 MB with micro-batch 1 or checkpointing (measured by the CPU tracker).
 SMALL_ARGS = ["--seq-len", "64", "--global-batch-size", "8"]
+#: no loss probes and no finalist re-measurements: for tests about other things
+NO_PROBES = ["--probe-steps", "0", "--confirm-rounds", "0"]
 
 
 def tiny_spec(config: dict[str, Any], budget: int | None = None, **kw: Any) -> TrialSpec:

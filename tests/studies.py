@@ -29,5 +29,7 @@ def make_study(
         seq_len=64,
         global_batch_size=8,
         space=resolved.as_dict(),
+        probe_steps=0,  # tests about storage and workers: no loss probes, no re-measurements
+        confirm_rounds=0,
     )
     return create_or_load(open_storage(storage_url), name, settings)

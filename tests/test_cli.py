@@ -28,6 +28,13 @@ RUN = [
     *SMALL_ARGS,
     "--strategy",
     "tpe",
+    # a short probe and no confirmation rounds keep the module quick (re-measuring finalists
+    # after each of its four runs doubled its time); test_lossguard and the slow
+    # test_winner_seeds cover them through the CLI
+    "--probe-steps",
+    "10",
+    "--confirm-rounds",
+    "0",
 ]
 
 

@@ -186,7 +186,9 @@ def test_cli_run_llama7b_24gb_without_a_gpu(in_tmp: Path, monkeypatch: pytest.Mo
     answer = answer.split("tokens/s")[0]
     assert answer.startswith(("mixed)", "exact)")), answer
     assert "off-opt" in answer and "nf4" not in answer and "host memory" in answer
-    assert "adapters (a different training problem" in out
+    # adapters are a different training problem: not searched unless --allow adapters
+    assert "fidelity class adapters is not searched (--allow adapters includes it)" in out
+    assert "adapters (a different training problem" not in out
     assert "every configuration of the space scored" in out
     storage = f"sqlite:///{in_tmp / 'autotune.db'}"
     study = optuna.load_study(study_name="llama-7b-24GB-estimate", storage=storage)

@@ -8,7 +8,7 @@ import optuna
 
 from autotune.hardware import Hardware
 from autotune.space import SearchSpace
-from autotune.strategy import AutotuneSampler, Observation, needs_no_less_memory, observations
+from autotune.strategy import AutotuneSampler, Observation, needs_no_less_memory
 
 SPACE = SearchSpace.from_dict(
     {
@@ -139,26 +139,6 @@ def test_loss_blame_goes_to_the_lossy_choice_that_regressed() -> None:
     assert plan["optimizer"] != "adafactor"
     # 16-bit is not blamed: the prior's fastest precisions (bf16 and fp16 tie) stay first
     assert plan["precision"] in ("bf16", "fp16")
-
-
-def test_a_crashed_configuration_is_not_proposed_again() -> None:
-    """A crash (FAIL with its config) is tried: planning it again would crash forever. A trial
-    interrupted by Ctrl-C did not crash and may be proposed again."""
-    sampler = AutotuneSampler(GRID, prior, BUDGET)
-    first = sampler.plan([])
-    assert first is not None
-    study = optuna.create_study(directions=["maximize", "minimize"])
-    for error in ("interrupted (Ctrl-C); its job was stopped", "trial job crashed: exit code 1"):
-        trial = study.ask()
-        trial.set_user_attr("config", first)
-        trial.set_user_attr("status", "failed")
-        trial.set_user_attr("error", error)
-        study.tell(trial, state=optuna.trial.TrialState.FAIL)
-        seen = observations(study)
-        if error.startswith("interrupted"):
-            assert seen == [] and sampler.plan(seen) == first
-    assert [o.status for o in seen] == ["failed"]
-    assert sampler.plan(seen) != first
 
 
 def test_a_crashing_combination_is_tried_last() -> None:

@@ -167,3 +167,48 @@ def test_three_workers_on_postgresql(postgres_url: str, tmp_path: Path) -> None:
         for out in outputs:
             assert password.group(1) not in out
             assert "***@" in out  # the report names the storage, masked
+
+
+def test_a_worker_killed_mid_trial_is_failed_and_retried_by_another(
+    postgres_url: str, tmp_path: Path
+) -> None:
+    """What the README promises for a cluster: worker A dies (kill -9) mid-trial; worker B, still
+    running, fails A's trial once its heartbeat is stale and runs the same configuration again
+    as its next trial. Nothing is left RUNNING."""
+    name = f"pg-dead-worker-{os.getpid()}-{time.time_ns()}"
+    _new_study(postgres_url, name)
+    command = [sys.executable, "-m", "autotune.cli", "worker", "--study", name,
+               "--storage", postgres_url]  # fmt: skip
+
+    def start(n: int) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [*command, "--trials", str(n)],
+            cwd=tmp_path,
+            env=ENV,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+    def trials() -> list[optuna.trial.FrozenTrial]:
+        return optuna.load_study(study_name=name, storage=postgres_url).get_trials()
+
+    a = start(2)
+    deadline = time.monotonic() + 300
+    while not any(t.state == TrialState.RUNNING for t in trials()):
+        assert time.monotonic() < deadline and a.poll() is None, "worker A never started a trial"
+        time.sleep(0.2)
+    (killed,) = [t for t in trials() if t.state == TrialState.RUNNING]
+    b = start(2)
+    time.sleep(1)
+    a.kill()
+    a.communicate()
+    out, _ = b.communicate(timeout=600)
+    assert b.returncode == 0, out
+    after = {t.number: t for t in trials()}
+    assert after[killed.number].state == TrialState.FAIL
+    retries = [t for t in after.values() if t.system_attrs.get("retry_history")]
+    assert len(retries) == 1
+    assert retries[0].state == TrialState.COMPLETE
+    assert retries[0].params == killed.params
+    assert not [t for t in after.values() if t.state == TrialState.RUNNING]

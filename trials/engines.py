@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from trials.build import build_model
+from trials.cuda import scaler_skipped
 from trials.memory import MemoryMonitor
 from trials.spec import TrialSpec
 from trials.techniques import OPTIMIZERS, PRECISIONS
@@ -22,8 +24,13 @@ from trials.zero import (
     DS_OPTIMIZERS,
     deepspeed_config,
     ensure_distributed,
+    gathered,
     offloaded_tensors,
+    offloads_optimizer,
+    offloads_params,
     uses_deepspeed,
+    weight_dtype,
+    zero3_init,
 )
 
 
@@ -43,8 +50,28 @@ def world() -> tuple[int, int]:
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def trial_deepspeed_config(spec: TrialSpec) -> dict[str, Any]:
+    """The DeepSpeed JSON of this trial (this world's ranks, the spec's micro-batch)."""
+    micro, accum = micro_and_accumulation(spec)
+    cfg = spec.config
+    precision = str(cfg.get("precision", "fp32"))
+    return deepspeed_config(cfg, micro, accum, precision, world()[1], spec.lr, spec.backend)
+
+
 class Engine(ABC):
-    """Wraps a built model; ``step`` runs one optimizer step over the rank's micro-batches."""
+    """Wraps a built model; ``step`` runs one optimizer step over the rank's micro-batches.
+
+    ``build`` makes the model the way this engine trains it (``trials.build``), so construction
+    never needs more memory than the steps. ``skipped`` counts optimizer steps the fp16 loss
+    scaler skipped (their tokens did not train the model)."""
+
+    skipped = 0
+
+    @classmethod
+    def build(cls, spec: TrialSpec, device: torch.device, monitor: MemoryMonitor) -> nn.Module:
+        """fp32 weights on the device: autocast trains over fp32 master weights."""
+        with device:
+            return build_model(spec.model_config, spec.config.get("attention", "sdpa"), spec.seed)
 
     def __init__(
         self, model: nn.Module, spec: TrialSpec, device: torch.device, monitor: MemoryMonitor
@@ -100,8 +127,10 @@ class TorchEngine(Engine):
             total += float(loss.detach())
             del loss
         if self.scaler is not None:
+            scale = self.scaler.get_scale()
             self.scaler.step(self.optimizer)
             self.scaler.update()
+            self.skipped += scaler_skipped(scale, self.scaler.get_scale())
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -128,6 +157,25 @@ class DeepSpeedEngine(Engine):
     """``deepspeed.initialize`` with the trial's generated config; DeepSpeed owns accumulation
     (``engine.backward`` scales by 1/accumulation, ``engine.step`` steps at the boundary)."""
 
+    @classmethod
+    def build(cls, spec: TrialSpec, device: torch.device, monitor: MemoryMonitor) -> nn.Module:
+        """In DeepSpeed's weight dtype; ZeRO-3: partitioned layer by layer under zero.Init."""
+        cfg = spec.config
+        attention = str(cfg.get("attention", "sdpa"))
+        dtype = weight_dtype(str(cfg.get("precision", "fp32")))
+        if int(cfg.get("zero_stage", 0)) != 3:
+            with device:
+                return build_model(spec.model_config, attention, spec.seed, dtype=dtype)
+        ensure_distributed(spec.backend, deepspeed_comm=True)
+        return build_model(
+            spec.model_config,
+            attention,
+            spec.seed,
+            dtype=dtype,
+            init_context=zero3_init(trial_deepspeed_config(spec), monitor.host_allocations),
+            gather=gathered,
+        )
+
     def __init__(
         self, model: nn.Module, spec: TrialSpec, device: torch.device, monitor: MemoryMonitor
     ) -> None:
@@ -137,15 +185,7 @@ class DeepSpeedEngine(Engine):
         cfg = spec.config
         ensure_distributed(spec.backend, deepspeed_comm=True)
         self.rank, self.world = world()
-        self.ds_config = deepspeed_config(
-            cfg,
-            self.micro,
-            self.accum,
-            str(cfg.get("precision", "fp32")),
-            self.world,
-            spec.lr,
-            spec.backend,
-        )
+        self.ds_config = trial_deepspeed_config(spec)
         trainable = [p for p in model.parameters() if p.requires_grad]
         optimizer_name = str(cfg.get("optimizer", "adamw"))
         client = (
@@ -153,16 +193,30 @@ class DeepSpeedEngine(Engine):
             if optimizer_name in DS_OPTIMIZERS
             else OPTIMIZERS[optimizer_name].factory(trainable, spec.lr)
         )
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=model, model_parameters=trainable, optimizer=client, config=self.ds_config
-        )
-        self.model = model
-        self._mark_offloaded()
+        # offloaded buffers are made before they can be marked as host: the budget is checked
+        # on the corrected peak once they are
+        # With offload_param, DeepSpeed's ZeRO-3 setup builds the model-sized flat buffers (and
+        # transient copies of them) in host memory: on the CPU backend all of its allocations
+        # count as host (known undercount: its device reduce bucket, reduce_bucket_size elements).
+        host = monitor.host_allocations() if offloads_params(cfg) else nullcontext()
+        with monitor.deferred_budget(), host:
+            self.engine, self.optimizer, _, _ = deepspeed.initialize(
+                model=model, model_parameters=trainable, optimizer=client, config=self.ds_config
+            )
+            self.model = model
+            self._mark_offloaded()
 
     def _mark_offloaded(self) -> None:
         self.monitor.mark_host(*offloaded_tensors(self.optimizer, self.model, self.spec.config))
 
     def step(self, tokens: torch.Tensor) -> float:
+        # with offload, the optimizer's host states appear in the first step, before they can
+        # be marked: the budget is then checked on the step's corrected peak
+        offloads = offloads_optimizer(self.spec.config) or offloads_params(self.spec.config)
+        with self.monitor.deferred_budget() if offloads else nullcontext():
+            return self._step(tokens)
+
+    def _step(self, tokens: torch.Tensor) -> float:
         total = 0.0
         for ids in self.micro_batches(tokens):
             loss = self.engine(input_ids=ids, labels=ids).loss
@@ -170,6 +224,7 @@ class DeepSpeedEngine(Engine):
             self.engine.step()  # the optimizer steps at the accumulation boundary only
             total += float(loss.detach()) / self.accum
             del loss
+        self.skipped = int(getattr(self.engine, "skipped_steps", 0))  # fp16 overflow steps
         self._mark_offloaded()  # optimizer states appear at the first step
         return total
 

@@ -1,42 +1,42 @@
 """The job one trial runs: ``python -m trials.job SPEC.json RESULT.json``.
 
-It builds the model from its config (random init, fixed seed), applies each technique of the
-trial config for real, runs warm-up steps (memory tracked, budget enforced) and measured steps
-(timed end to end, optimizer step included), and writes a ``TrialResult``. An out-of-memory error
-is a result (``oom``), not a crash; any other exception is ``failed`` with its text.
+It builds the model from its config (random init, fixed seed) the way its engine trains it
+(``trials.build``: construction never above steady state), applies each technique of the trial
+config for real, runs warm-up steps (memory tracked, budget enforced) and measured steps (timed
+end to end, optimizer step included), and writes a ``TrialResult`` with the construction and the
+training peak apart. An out-of-memory error (the allocator's, or one raised outside it:
+``trials.cuda.is_oom_error``) is a result (``oom``), not a crash; any other exception is
+``failed`` with its text. In a multi-process trial a rank that runs out of memory or fails
+writes its result and exits at once, so torchrun stops the other ranks within seconds.
 """
 
 from __future__ import annotations
 
 import os
 import resource
+import statistics
 import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
+from trials.build import build_model
+from trials.cuda import ALLOC_CONF_ENV, capped, is_oom_error, measured_tokens
 from trials.data import batch_for_step
 from trials.engines import ENGINES, engine_for, world
 from trials.lifeline import start_lifeline
 from trials.memory import MemoryMonitor, make_monitor
-from trials.quantization import QUANTIZATION
+from trials.quantization import QUANTIZATION, builds_on_host
 from trials.spec import TrialResult, TrialSpec, rank_result_path
-from trials.techniques import ATTENTION, CHECKPOINTING
+from trials.techniques import CHECKPOINTING
 
+__all__ = ["RANK_FAILED_EXIT", "build_model", "main", "run_trial"]
 
-def build_model(model_config: dict[str, Any], attention: str, seed: int) -> nn.Module:
-    """A transformers causal LM from a config dict, randomly initialised with ``seed``."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = dict(model_config)
-    model_type = cfg.pop("model_type")
-    config = AutoConfig.for_model(model_type, **cfg)
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION[attention])
+#: exit code of a rank that ran out of memory or failed in a multi-process trial
+RANK_FAILED_EXIT = 17
 
 
 def rank_batch(spec: TrialSpec, step: int, rank: int, world: int) -> torch.Tensor:
@@ -52,36 +52,67 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def step_statistics(times: list[float]) -> tuple[float, float]:
+    """(median step time, interquartile range / median) of the measured steps."""
+    if not times:
+        return 0.0, 0.0
+    median = statistics.median(times)
+    if len(times) < 2 or median <= 0:
+        return median, 0.0
+    q1, _, q3 = statistics.quantiles(times, n=4, method="inclusive")
+    return median, (q3 - q1) / median
+
+
+def build(spec: TrialSpec, device: torch.device, monitor: MemoryMonitor) -> nn.Module:
+    """The model as its engine trains it; quantized runs build on the host and reach the device
+    quantized (``trials.quantization``), so no full-precision copy is ever on the device."""
+    if builds_on_host(spec.config):
+        with monitor.host_allocations(), torch.device("cpu"):
+            return build_model(spec.model_config, spec.config.get("attention", "sdpa"), spec.seed)
+    return ENGINES[engine_for(spec.config)].build(spec, device, monitor)
+
+
 def run_trial(spec: TrialSpec) -> TrialResult:
     """One rank's trial. ``global_batch_size`` is per rank (the batch each rank trains on), so
     tokens/s here is this rank's; the runner sums the ranks."""
     rank, n_ranks = world()
     local = int(os.environ.get("LOCAL_RANK", rank))
     device = torch.device("cuda", local) if spec.backend == "cuda" else torch.device("cpu")
-    monitor: MemoryMonitor = make_monitor(spec.backend, spec.budget_bytes, local)
+    budget = spec.budget_for_rank(rank)
+    monitor: MemoryMonitor = make_monitor(spec.backend, budget, local)
     cfg = spec.config
     losses: list[float] = []
     start = time.perf_counter()
+    alloc_conf = os.environ.get(ALLOC_CONF_ENV, "")
     try:
         with monitor:
-            with device:
-                model = build_model(spec.model_config, cfg.get("attention", "sdpa"), spec.seed)
+            # construction: build, techniques, engine; its peak is recorded apart
+            model = build(spec, device, monitor)
             model.train()
             CHECKPOINTING[cfg.get("gradient_checkpointing", "off")](model, cfg)
             model = QUANTIZATION[str(cfg.get("quantization", "none"))](model, device)
             engine = ENGINES[engine_for(cfg)](model, spec, device, monitor)
+            monitor.end_construction()
             for step in range(spec.warmup_steps):
                 losses.append(engine.step(rank_batch(spec, step, rank, n_ranks).to(device)))
+                monitor.sample()
             with monitor.pause():
                 measured = range(spec.warmup_steps, spec.warmup_steps + spec.measured_steps)
                 batches = [rank_batch(spec, s, rank, n_ranks).to(device) for s in measured]
-                _sync(device)
-                t0 = time.perf_counter()  # end to end: all micro-batches and optimizer steps
-                for tokens in batches:
+                times = []
+                skipped_before = engine.skipped
+                for tokens in batches:  # end to end: all micro-batches and the optimizer step
+                    _sync(device)
+                    t0 = time.perf_counter()
                     losses.append(engine.step(tokens))
-                _sync(device)
-                elapsed = time.perf_counter() - t0
-        tokens_done = spec.global_batch_size * spec.seq_len * spec.measured_steps
+                    _sync(device)
+                    times.append(time.perf_counter() - t0)
+                skipped = engine.skipped - skipped_before
+            monitor.sample()
+        load = os.getloadavg()[0] / (os.cpu_count() or 1) if hasattr(os, "getloadavg") else 0.0
+        step_time, spread = step_statistics(times)
+        # fp16 steps the loss scaler skipped took their time but trained no tokens
+        tokens_done = measured_tokens(spec.global_batch_size * spec.seq_len, len(times), skipped)
         peak = monitor.peak_bytes
         host = host_peak_bytes()
         if spec.host_budget_bytes is not None and host > spec.host_budget_bytes:
@@ -91,23 +122,45 @@ def run_trial(spec: TrialSpec) -> TrialResult:
                 host_peak_bytes=host,
                 error=f"host memory {host} B is over the host budget {spec.host_budget_bytes} B",
                 wall_s=time.perf_counter() - start,
+                construction_peak_bytes=monitor.construction_peak_bytes,
+                training_peak_bytes=monitor.training_peak_bytes,
+                oom_rank=rank,
+                alloc_conf=alloc_conf,
+                device_memory=monitor.extra(),
             )
         return TrialResult(
             status="ok",
             host_peak_bytes=host,
             peak_bytes=peak,
-            tokens_per_s=tokens_done / elapsed if elapsed > 0 else 0.0,
+            tokens_per_s=tokens_done / (step_time * len(times)) if step_time else 0.0,
+            step_time_s=step_time,
+            step_spread=spread,
+            load_per_core=load,
             losses=losses,
             wall_s=time.perf_counter() - start,
             memory_breakdown=engine.breakdown(peak),
+            construction_peak_bytes=monitor.construction_peak_bytes,
+            training_peak_bytes=monitor.training_peak_bytes,
+            skipped_steps=skipped,
+            alloc_conf=alloc_conf,
+            device_memory=monitor.extra(),
         )
-    except torch.OutOfMemoryError as exc:
+    except Exception as exc:
+        if not is_oom_error(exc):
+            raise
         return TrialResult(
             status="oom",
-            peak_bytes=max(monitor.peak_bytes, spec.budget_bytes or 0),
+            peak_bytes=max(monitor.peak_bytes, budget or 0),
             losses=losses,
             error=str(exc).splitlines()[0][:500] if str(exc) else "out of memory",
             wall_s=time.perf_counter() - start,
+            construction_peak_bytes=monitor.construction_peak_bytes,
+            training_peak_bytes=monitor.training_peak_bytes,
+            oom_rank=rank,
+            capped=capped(budget, "oom", spec.backend),
+            host_peak_bytes=host_peak_bytes(),
+            alloc_conf=alloc_conf,
+            device_memory=monitor.extra(),
         )
 
 
@@ -124,12 +177,23 @@ def main(argv: list[str] | None = None) -> int:
     spec_path, result_path = Path(args[0]), Path(args[1])
     start_lifeline()
     try:
-        result = run_trial(TrialSpec.load(spec_path))
+        spec = TrialSpec.load(spec_path)
+        result = run_trial(spec)
     except Exception as exc:  # a trial's failure is data for the study, not a crash of the job
         traceback.print_exc()
         result = TrialResult(status="failed", error=f"{type(exc).__name__}: {exc}"[:2000])
     rank, n_ranks = world()
-    rank_result_path(result_path, rank, n_ranks).write_text(result.to_json())
+    try:
+        rank_result_path(result_path, rank, n_ranks).write_text(result.to_json())
+    except OSError as exc:  # e.g. a full disk: one line, and the runner reports the trial failed
+        print(f"error: could not write the trial result: {exc}", file=sys.stderr, flush=True)
+        return 1
+    if n_ranks > 1 and result.status != "ok":
+        # The other ranks are waiting for this one in a collective: leave now, without the
+        # process group's teardown (it would wait for them): a failing exit makes torchrun stop
+        # this node's ranks, and the launcher (or srun --kill-on-bad-exit) every other node's.
+        sys.stderr.flush()
+        os._exit(RANK_FAILED_EXIT)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     return 0

@@ -32,6 +32,12 @@ def _start_time(pid: int) -> str | None:
     return fields[19]
 
 
+def started_at(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks since boot), or None if it is gone: with the
+    pid, an identity that a reused pid does not match."""
+    return _start_time(pid)
+
+
 def _alive(pid: int, started: str | None) -> bool:
     if os.path.isdir("/proc"):
         return _start_time(pid) == started

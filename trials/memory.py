@@ -13,6 +13,7 @@ checkpointing does, so the CPU tracker here keeps only the storage accounting id
 
 from __future__ import annotations
 
+import os
 import weakref
 from abc import ABC, abstractmethod
 from array import array
@@ -67,6 +68,44 @@ class MemoryMonitor(ABC):
         """Offloaded bytes in host memory at most (0 where the monitor does not see them)."""
         return 0
 
+    def host_allocations(self) -> Any:
+        """A context whose new tensors are host memory from birth (ZeRO-3's offloaded parameter
+        partitions made by ``deepspeed.zero.Init``). On CUDA they are CPU tensors anyway."""
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def deferred_budget(self) -> Any:
+        """A context in which the budget is checked once, at its end, on the peak as corrected
+        by ``mark_host`` (DeepSpeed makes its offloaded buffers before they can be marked)."""
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    # --- construction and training, measured apart ----------------------------------------------
+
+    @abstractmethod
+    def end_construction(self) -> None:
+        """The model is built and wrapped; what follows is training. Call once."""
+
+    @property
+    @abstractmethod
+    def construction_peak_bytes(self) -> int:
+        """The peak from entering the monitor to ``end_construction`` (the peak so far before)."""
+
+    @property
+    @abstractmethod
+    def training_peak_bytes(self) -> int:
+        """The peak after ``end_construction`` (0 before)."""
+
+    def sample(self) -> None:
+        """Take a reading between steps (the CUDA card count); the CPU tracker sees every op."""
+        return None
+
+    def extra(self) -> dict[str, Any]:
+        """Backend-specific measurements recorded with the result (e.g. the card's own count)."""
+        return {}
+
 
 class _LiveStorageCounter(TorchDispatchMode):
     """Counts each distinct storage once, from the op that created it until it is freed."""
@@ -111,6 +150,9 @@ class CpuMemoryMonitor(MemoryMonitor):
         self._corrections: list[tuple[int, int, int]] = []  # (from, to, bytes) to subtract
         self._mode: _LiveStorageCounter | None = None
         self._paused = False
+        self._host_births = False  # inside host_allocations(): new storages are host memory
+        self._construction_end: int | None = None  # timeline index where training starts
+        self._deferred = False  # inside deferred_budget(): no online check
 
     def _track(self, t: torch.Tensor) -> None:
         if self._paused or t.device.type != "cpu" or t.is_meta:
@@ -124,6 +166,12 @@ class CpuMemoryMonitor(MemoryMonitor):
             return
         nbytes = storage.nbytes()
         self._seen.add(key)
+        if self._host_births:
+            self._host[key] = nbytes
+            self._host_live += nbytes
+            self._host_peak = max(self._host_peak, self._host_live)
+            weakref.finalize(storage, self._release, key, nbytes)
+            return
         self._live += nbytes
         self._peak = max(self._peak, self._live)
         self._born[key] = len(self._timeline)
@@ -159,12 +207,59 @@ class CpuMemoryMonitor(MemoryMonitor):
     def host_peak_bytes(self) -> int:
         return self._host_peak
 
+    def host_allocations(self) -> Any:
+        import contextlib
+
+        @contextlib.contextmanager
+        def _host() -> Any:
+            previous, self._host_births = self._host_births, True
+            try:
+                yield
+            finally:
+                self._host_births = previous
+
+        return _host()
+
+    def end_construction(self) -> None:
+        self._construction_end = len(self._timeline)
+
+    @property
+    def construction_peak_bytes(self) -> int:
+        end = self._construction_end
+        return self._peak_between(0, len(self._timeline) if end is None else end)
+
+    @property
+    def training_peak_bytes(self) -> int:
+        if self._construction_end is None:
+            return 0
+        return self._peak_between(self._construction_end, len(self._timeline))
+
     def track_existing(self, *tensors: torch.Tensor) -> None:
         """Count tensors made before the monitor started (e.g. the model on the GPU path)."""
         for t in tensors:
             self._track(t)
 
+    def deferred_budget(self) -> Any:
+        import contextlib
+
+        @contextlib.contextmanager
+        def _deferred() -> Any:
+            previous, self._deferred = self._deferred, True
+            try:
+                yield
+            finally:
+                self._deferred = previous
+            peak, budget = self.peak_bytes, self.budget_bytes
+            if budget is not None and peak > budget:
+                raise torch.OutOfMemoryError(
+                    f"CPU tracker: out of memory: device peak {peak} bytes, budget {budget} bytes"
+                )
+
+        return _deferred()
+
     def _check_budget(self, func: Any) -> None:
+        if self._deferred:
+            return
         if self.budget_bytes is not None and self._live > self.budget_bytes:
             live, budget = self._live, self.budget_bytes
             raise torch.OutOfMemoryError(
@@ -197,15 +292,21 @@ class CpuMemoryMonitor(MemoryMonitor):
     def peak_bytes(self) -> int:
         if not self._corrections:
             return self._peak
+        return self._peak_between(0, len(self._timeline))
+
+    def _peak_between(self, first: int, stop: int) -> int:
+        """The device peak over timeline entries ``first`` to ``stop - 1``, with the bytes later
+        marked as host taken out of the span they were alive."""
         n = len(self._timeline)
         delta = [0] * (n + 1)
         for start, end, nbytes in self._corrections:
             delta[start] += nbytes
             delta[end] -= nbytes
         best, running = 0, 0
-        for i in range(n):
+        for i in range(min(stop, n)):
             running += delta[i]
-            best = max(best, self._timeline[i] - running)
+            if i >= first:
+                best = max(best, self._timeline[i] - running)
         return best
 
     @property
@@ -214,19 +315,59 @@ class CpuMemoryMonitor(MemoryMonitor):
 
 
 class CudaMemoryMonitor(MemoryMonitor):
-    """The caching allocator's reserved bytes; the budget is a per-process memory fraction."""
+    """The caching allocator's reserved bytes and what the process holds on the card.
+
+    ``max_memory_reserved`` misses what lives outside the allocator (the CUDA context, cuBLAS
+    and NCCL workspaces: hundreds of MiB), so the card is read too (NVML per process where it
+    reports, else ``mem_get_info`` less what other processes held at the start), after
+    construction and after each warm-up step. The allocator's limit is the budget less what the
+    process already held outside it; the card count is checked against the budget as well.
+    """
 
     def __init__(self, budget_bytes: int | None, device: int = 0) -> None:
         super().__init__(budget_bytes)
         self.device = device
+        self._others = 0  # bytes other processes held on the card when the trial started
+        self._card_peak = 0
+        self._construction_reserved: int | None = None
+        self._construction_card = 0
+        self.fraction: float | None = None
+
+    def card_bytes(self) -> int:
+        from trials.cuda import card_bytes, nvml_process_bytes
+
+        mine = nvml_process_bytes(self.device)
+        if mine is not None:
+            return mine
+        free, total = torch.cuda.mem_get_info(self.device)
+        return card_bytes(total, free, self._others)
+
+    def sample(self) -> None:
+        """Read the card; past the budget it is an OOM, as the allocator's own would be."""
+        from trials.cuda import over_card_budget
+
+        torch.cuda.synchronize(self.device)
+        card = self.card_bytes()
+        self._card_peak = max(self._card_peak, card)
+        message = over_card_budget(card, self.budget_bytes)
+        if message:
+            raise torch.OutOfMemoryError(message)
 
     def __enter__(self) -> CudaMemoryMonitor:
+        from trials.cuda import allocator_fraction, nvml_process_bytes
+
+        free, total = torch.cuda.mem_get_info(self.device)  # creates the context
         torch.cuda.set_device(self.device)
+        mine = nvml_process_bytes(self.device)
+        reserved = int(torch.cuda.memory_reserved(self.device))
+        # With NVML the count is this process's own, context included. Without it, what the
+        # card held at the start (others and this context) is the baseline, and what the
+        # process adds beyond it (allocator, workspaces, NCCL buffers) is counted.
+        self._others = 0 if mine is not None else max(0, total - free - reserved)
+        outside = (mine - reserved) if mine is not None else 0
         if self.budget_bytes is not None:
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            torch.cuda.set_per_process_memory_fraction(
-                min(1.0, self.budget_bytes / total), self.device
-            )
+            self.fraction = allocator_fraction(self.budget_bytes, total, outside)
+            torch.cuda.set_per_process_memory_fraction(self.fraction, self.device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         return self
@@ -234,13 +375,41 @@ class CudaMemoryMonitor(MemoryMonitor):
     def __exit__(self, exc_type, exc, tb) -> None:  # type: ignore[no-untyped-def]
         torch.cuda.synchronize(self.device)
 
+    def end_construction(self) -> None:
+        self.sample()
+        self._construction_reserved = int(torch.cuda.max_memory_reserved(self.device))
+        self._construction_card = self._card_peak
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    @property
+    def construction_peak_bytes(self) -> int:
+        if self._construction_reserved is None:
+            return max(int(torch.cuda.max_memory_reserved(self.device)), self._card_peak)
+        return max(self._construction_reserved, self._construction_card)
+
+    @property
+    def training_peak_bytes(self) -> int:
+        if self._construction_reserved is None:
+            return 0
+        return max(int(torch.cuda.max_memory_reserved(self.device)), self._card_peak)
+
     @property
     def peak_bytes(self) -> int:
-        return int(torch.cuda.max_memory_reserved(self.device))
+        return max(self.construction_peak_bytes, self.training_peak_bytes)
 
     @property
     def live_bytes(self) -> int:
         return int(torch.cuda.memory_reserved(self.device))
+
+    def extra(self) -> dict[str, Any]:
+        from trials.cuda import ALLOC_CONF_ENV
+
+        return {
+            "max_memory_reserved": int(torch.cuda.max_memory_reserved(self.device)),
+            "card_peak_bytes": self._card_peak,
+            "allocator_fraction": self.fraction,
+            "alloc_conf": os.environ.get(ALLOC_CONF_ENV, ""),
+        }
 
 
 MONITORS: dict[str, type[MemoryMonitor]] = {

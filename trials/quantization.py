@@ -91,6 +91,12 @@ def _quantized(
     return apply
 
 
+def builds_on_host(config: dict[str, object]) -> bool:
+    """Quantized runs build the full-precision model in host memory: bitsandbytes quantizes the
+    weights as they move to the GPU, so the device never holds a full-precision copy."""
+    return str(config.get("quantization", "none")) != "none"
+
+
 def _full_precision(model: nn.Module, device: torch.device) -> nn.Module:
     return model
 

@@ -31,8 +31,14 @@ class TrialSpec:
     measured_steps: int = 2
     seed: int = 0
     lr: float = 1e-3
-    nproc: int = 1
+    nproc: int = 1  # ranks in all (the world size)
+    nodes: int = 1  # nodes they span (``nproc / nodes`` per node)
+    #: per-rank budget overrides, {"rank": bytes} (tests: one rank of several runs out)
+    rank_budget_bytes: dict[str, int] = field(default_factory=dict)
     host_budget_bytes: int | None = None  # host RAM this trial may use (all its ranks)
+
+    def budget_for_rank(self, rank: int) -> int | None:
+        return self.rank_budget_bytes.get(str(rank), self.budget_bytes)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -50,7 +56,8 @@ class TrialSpec:
 @dataclass
 class TrialResult:
     """What one trial measured. ``peak_bytes`` is the worst rank's peak; ``tokens_per_s``
-    counts every rank's tokens over the measured steps only (optimizer step included)."""
+    counts every rank's tokens of one step over the median measured step time (optimizer step
+    included), so one slow step (a page fault, a neighbour's burst) does not move it."""
 
     status: Status
     peak_bytes: int = 0
@@ -61,9 +68,22 @@ class TrialResult:
     memory_breakdown: dict[str, int] = field(default_factory=dict)
     stderr_tail: str = ""
     rank_peaks: list[int] = field(default_factory=list)  # per rank, in a multi-process trial
+    #: the peak while the model is built and wrapped (before the first step), and during the
+    #: steps; ``peak_bytes`` is the larger, and the budget applies to both
+    construction_peak_bytes: int = 0
+    training_peak_bytes: int = 0
+    oom_rank: int | None = None  # the rank that ran out of memory first (multi-process trials)
+    #: run without a budget and out of memory: it hit the physical card (peak = the card)
+    capped: bool = False
+    skipped_steps: int = 0  # measured fp16 steps the loss scaler skipped (not in tokens/s)
+    alloc_conf: str = ""  # PYTORCH_CUDA_ALLOC_CONF the job ran with
+    device_memory: dict[str, Any] = field(default_factory=dict)  # CUDA: reserved and card peaks
     #: host memory: the job's peak resident set (ru_maxrss; all ranks of a host summed), or the
     #: estimator's prediction on the estimate backend
     host_peak_bytes: int = 0
+    step_time_s: float = 0.0  # median time of one measured optimizer step (all micro-batches)
+    step_spread: float = 0.0  # interquartile range of the measured step times / their median
+    load_per_core: float = 0.0  # the machine's 1-minute load average / CPU count, while measuring
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)

@@ -81,8 +81,14 @@ def _adamw(params: Iterable[nn.Parameter], lr: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
 
 
+#: Adafactor's step is relative to each parameter's RMS (Shazeer & Stern 2018): min(lr, 1/sqrt(t))
+#: times RMS(param). The paper's (and torch's default) cap is 1e-2; AdamW's lr there would make
+#: its steps several times smaller than intended, so it keeps its own.
+ADAFACTOR_LR = 1e-2
+
+
 def _adafactor(params: Iterable[nn.Parameter], lr: float) -> torch.optim.Optimizer:
-    return torch.optim.Adafactor(params, lr=lr, weight_decay=0.0)
+    return torch.optim.Adafactor(params, lr=ADAFACTOR_LR, weight_decay=0.0)
 
 
 def _lion(params: Iterable[nn.Parameter], lr: float) -> torch.optim.Optimizer:
@@ -159,3 +165,25 @@ def fidelity_class(config: dict[str, Any]) -> str:
 def is_exact(config: dict[str, Any]) -> bool:
     """True when the config only uses techniques that must reproduce the reference loss."""
     return fidelity_class(config) == "exact"
+
+
+def classes_up_to(widest: str) -> tuple[str, ...]:
+    """The classes a study searches under ``--allow widest``: ``widest`` and every class closer
+    to exact (``exact`` alone, ``mixed`` = exact + mixed, ..., ``adapters`` = all)."""
+    return FIDELITY_CLASSES[: FIDELITY_CLASSES.index(widest) + 1]
+
+
+def choice_fidelity(dimension: str, choice: object) -> str:
+    """The class one choice puts a configuration in (``exact`` when it changes no numerics)."""
+    return _FIDELITY_OF_CHOICE.get((dimension, str(choice)), "exact")
+
+
+#: the dimensions whose choices change the numbers a step computes (everything else is exact):
+#: a loss probe is keyed by these choices alone
+NUMERICS_DIMENSIONS: tuple[str, ...] = ("precision", "optimizer", "quantization")
+
+
+def numerics_of(config: dict[str, Any]) -> dict[str, str]:
+    """The config's numerics-changing choices, with the exact ones' defaults filled in."""
+    plain = {"precision": "fp32", "optimizer": "adamw", "quantization": "none"}
+    return {d: str(config.get(d, plain[d])) for d in NUMERICS_DIMENSIONS}

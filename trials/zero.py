@@ -15,6 +15,7 @@ Choices that keep a ZeRO trial exact against the plain PyTorch trial of the same
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from collections.abc import Iterator
@@ -173,7 +174,7 @@ _OFFLOADED_OPTIMIZER_ATTRS = (
     "grad_partitions_flat_buffer",
 )
 #: ... and under ``offload_param`` (stage 3's 16-bit partitions)
-_OFFLOADED_PARAM_ATTRS = ("fp16_partitioned_groups_flat",)
+_OFFLOADED_PARAM_ATTRS = ("fp16_partitioned_groups_flat", "param_groups_fp16_flat_cpu_memory")
 
 
 def offloaded_tensors(
@@ -197,3 +198,48 @@ def offloaded_tensors(
         partitions = (getattr(p, "ds_tensor", None) for p in model.parameters())
         out += [t for t in partitions if t is not None]
     return out
+
+
+# --- building a ZeRO-3 model partitioned from the start -------------------------------------------
+
+
+@contextlib.contextmanager
+def zero3_init(ds_config: dict[str, Any], host_allocations: Any) -> Iterator[None]:
+    """``deepspeed.zero.Init`` for this config: each module's parameters are partitioned (and,
+    with ``offload_param``, put in host memory) as soon as the module is made, so the whole
+    model never exists on the device. ``host_allocations`` (the memory monitor's) is the context
+    in which DeepSpeed makes the offloaded partitions: on the CPU backend they are host memory
+    from birth. transformers' ``prevent_arange_dtype_change`` keeps RoPE's buffers exact in
+    16-bit configs, as in its own ZeRO-3 path (``PreTrainedModel._from_config``)."""
+    import deepspeed
+    from transformers.integrations.deepspeed import prevent_arange_dtype_change
+
+    offload = ds_config["zero_optimization"].get("offload_param")
+
+    class _Init(deepspeed.zero.Init):  # type: ignore[misc]
+        # ``_post_init_method`` is the hook DeepSpeed's Init overrides to partition a module
+        def _post_init_method(self, module: torch.nn.Module) -> None:
+            with host_allocations() if offload else contextlib.nullcontext():
+                super()._post_init_method(module)
+
+    with (
+        prevent_arange_dtype_change(),
+        _Init(
+            config_dict_or_path=ds_config,
+            remote_device="cpu" if offload else None,
+            pin_memory=bool(offload and offload.get("pin_memory")),
+        ),
+    ):
+        yield
+
+
+def gathered(params: list[torch.nn.Parameter]) -> Any:
+    """The parameters whole for the duration (rank 0's values are kept): ZeRO-3's init."""
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
+
+
+def weight_dtype(precision: str) -> torch.dtype:
+    """The dtype DeepSpeed trains the model's own weights in (its fp32 master copy apart)."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)

@@ -53,7 +53,7 @@ class AnalyticalEstimator(Estimator):
         tokens = micro * seq_len
         half = config.get("precision", "fp32") in ("bf16", "fp16")
         deepspeed = uses_deepspeed(config)
-        states = model_states(model_config, config, nproc)
+        states = model_states(model_config, config, nproc, nodes=gpu.nodes if gpu else 1)
         params = states.parts["parameters"]
         grads = states.parts["gradients"]
         optim = states.parts["optimizer_states"]

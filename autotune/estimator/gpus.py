@@ -6,11 +6,19 @@ datasheets, the Ada Lovelace whitepaper (RTX 4090: FP16/BF16 with FP32 accumulat
 Ampere GA102 whitepaper (RTX 3090, same), the V100 SXM2 datasheet (no bf16). ``fp32`` is the
 plain (non-TF32) FP32 rate. Link bandwidths are per direction: PCIe 3/4/5 x16 = 16/32/64 GB/s;
 NVLink is the datasheet's total per GPU divided by two.
+
+Between nodes (``internode_gbps``, the node's network per direction, all its NICs together):
+the DGX H100/H200 has eight 400 Gb/s ConnectX-7 InfiniBand NICs (one per GPU: 8 x 50 GB/s), the
+DGX A100 eight 200 Gb/s HDR NICs (8 x 25 GB/s), the DGX-1 V100 four 100 Gb/s EDR (4 x 12.5 GB/s)
+(NVIDIA's DGX datasheets); cards without NVLink sit in PCIe servers, here with one 100 Gb/s
+Ethernet link (12.5 GB/s). A ring collective whose ranks span nodes moves every byte through
+the slowest hop, the node's network shared by its GPUs (``interconnect_gbps`` of a spec made by
+``spanning``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from autotune.errors import UserError
 
@@ -31,6 +39,9 @@ class GpuSpec:
     pcie_gbps: float  # host link, per direction, GB/s
     nvlink_gbps: float  # GPU-GPU per direction, GB/s (0: PCIe only)
     sm: tuple[int, int]  # CUDA compute capability
+    internode_gbps: float = 12.5  # the node's network, per direction, GB/s (all NICs)
+    gpus_per_node: int = 8  # GPUs sharing that network
+    nodes: int = 1  # nodes the ranks span (set by ``spanning``)
 
     def flops_per_s(self, precision: str) -> float:
         tflops = {"bf16": self.bf16_tflops, "fp16": self.fp16_tflops}.get(
@@ -40,7 +51,16 @@ class GpuSpec:
 
     @property
     def interconnect_gbps(self) -> float:
-        return self.nvlink_gbps or self.pcie_gbps
+        """GPU-to-GPU bandwidth of a collective: NVLink (or PCIe) in one node; across nodes the
+        node's network shared by its GPUs, when that is the slower hop."""
+        intra = self.nvlink_gbps or self.pcie_gbps
+        if self.nodes <= 1:
+            return intra
+        return min(intra, self.internode_gbps / max(1, self.gpus_per_node))
+
+    def spanning(self, nodes: int, gpus_per_node: int) -> GpuSpec:
+        """This GPU in ``nodes`` nodes of ``gpus_per_node`` each (what the speed model prices)."""
+        return replace(self, nodes=max(1, nodes), gpus_per_node=max(1, gpus_per_node))
 
 
 GPUS: dict[str, GpuSpec] = {
@@ -62,6 +82,20 @@ GPUS: dict[str, GpuSpec] = {
         GpuSpec("a10g", "NVIDIA A10G 24GB", 24 * GIB, 125, 125, 31.2, 600, 32, 0, (8, 6)),
         GpuSpec("l4", "NVIDIA L4 24GB", 24 * GIB, 121, 121, 30.3, 300, 32, 0, (8, 9)),
     ]
+}
+
+
+#: the node's network per GPU model (GB/s per direction, all NICs): DGX-class InfiniBand for the
+#: data-centre GPUs, 100 Gb/s Ethernet (the field's default) for the others
+INTERNODE_GBPS = {
+    "h200": 400.0,
+    "h100": 400.0,
+    "a100-80gb": 200.0,
+    "a100-40gb": 200.0,
+    "v100": 50.0,
+}
+GPUS = {
+    k: replace(g, internode_gbps=INTERNODE_GBPS.get(k, g.internode_gbps)) for k, g in GPUS.items()
 }
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from autotune.estimator.base import Estimate, Estimator
 from autotune.estimator.gpus import GpuSpec
-from autotune.runner import TrialRunner
+from autotune.runner import TrialAttrs, TrialRunner
 from autotune.units import format_size
 from trials.spec import TrialResult, TrialSpec
 
@@ -27,7 +27,7 @@ def _estimate(estimator: Estimator, spec: TrialSpec, gpu: GpuSpec | None) -> Est
         seq_len=spec.seq_len,
         global_batch_size=spec.global_batch_size,
         nproc=spec.nproc,
-        gpu=gpu,
+        gpu=gpu.spanning(spec.nodes, spec.nproc // spec.nodes) if gpu and spec.nodes > 1 else gpu,
     )
 
 
@@ -74,7 +74,9 @@ class PrescreenRunner(TrialRunner):
         self.estimator = estimator
         self.margin = margin
 
-    def run(self, spec: TrialSpec, name: str) -> TrialResult:
+    def screen(self, spec: TrialSpec) -> TrialResult | None:
+        """The ``oom`` result of a configuration predicted far over the GPU or host budget,
+        else None."""
         if spec.budget_bytes is not None or spec.host_budget_bytes is not None:
             est = _estimate(self.estimator, spec, None)
             why = _over(est, spec, self.margin)
@@ -86,7 +88,13 @@ class PrescreenRunner(TrialRunner):
                     host_peak_bytes=est.host_bytes,
                     error=f"{PRUNED}: {why} + {self.margin:.0%}",
                 )
-        return self.inner.run(spec, name)
+        return None
+
+    def run(self, spec: TrialSpec, name: str) -> TrialResult:
+        return self.screen(spec) or self.inner.run(spec, name)
+
+    def run_for(self, trial: TrialAttrs, spec: TrialSpec, name: str) -> TrialResult:
+        return self.screen(spec) or self.inner.run_for(trial, spec, name)
 
     def attrs_for(self, result: TrialResult) -> dict[str, Any]:
         if result.error.startswith(PRUNED):

@@ -359,7 +359,7 @@ class TracedEstimator(Estimator):
             )
         breakdown = {k: parts.get(k, 0) for k in PARTS}
         peak = parts["peak"]
-        states = model_states(model_config, config, nproc)
+        states = model_states(model_config, config, nproc, nodes=gpu.nodes if gpu else 1)
         if states.replaces_trace:
             # The trace ran one unsharded process: swap its model states for the sharded ones.
             for k in ("parameters", "gradients", "optimizer_states"):

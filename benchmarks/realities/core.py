@@ -66,6 +66,8 @@ class Reality:
     global_batch_size: int
     nproc: int = 1
     backend: str = "cpu"
+    #: the GPU a study on this reality runs on ("" for the CPU)
+    gpu: str = ""
     #: steps whose mean loss the guard compares for lossy configurations
     measured_steps: int = 2
     limits: str = ""
@@ -155,6 +157,7 @@ def table_reality(
     *,
     nproc: int = 1,
     backend: str = "cpu",
+    gpu: str = "",
     hardware: Hardware | None = None,
 ) -> Reality:
     """A reality replayed from a table of rows (measured or traced, unbounded peaks)."""
@@ -187,6 +190,7 @@ def table_reality(
         global_batch_size=int(table["global_batch_size"]),
         nproc=nproc,
         backend=backend,
+        gpu=gpu,
         measured_steps=int(table.get("measured_steps", 2)),
         limits=limits,
     )
@@ -282,6 +286,7 @@ def interaction_reality(
         global_batch_size=gbs,
         nproc=int(settings.get("nproc", 1)),
         backend="cuda",
+        gpu=str(settings.get("gpu", "")),
         limits=limits,
         grid=grid,
     )

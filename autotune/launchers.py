@@ -1,0 +1,543 @@
+"""Launchers: where and how the ranks of one trial start, one small class each.
+
+* ``local`` (``autotune.runner.SubprocessRunner``): this machine. One process; several ranks
+  through ``torchrun --standalone``; or ``--nodes N``: N torchrun agents that meet through
+  torchrun's c10d rendezvous on 127.0.0.1 (``autotune.agents``), exactly as the agents of N real
+  nodes meet on the first node's address.
+* ``slurm`` (``SlurmRunner``): each trial is an ``sbatch`` job of the cluster's own scheduler (no
+  ssh, no pdsh, no hostfile). Inside the job, ``srun --kill-on-bad-exit`` starts one torchrun
+  agent per allocated node, rendezvousing (c10d) on the job's first node; a rank that runs out of
+  memory exits with an error, its agent stops its node, and srun stops every other node.
+
+Slurm trials outlive their controller. The job id is stored on the trial (user attr
+``slurm_job_id``), and the controller collecting a job marks the trial with itself
+(``slurm_watcher``: host, pid, time, refreshed while it waits). A controller that starts on the
+study (``run``, ``resume``, ``worker``) adopts every RUNNING trial with a job whose watcher is
+gone (same host: that process is dead; another host: not refreshed for three heartbeats), keeps
+its Optuna heartbeat alive and collects the job's result into the same trial. A job that was
+cancelled, pre-empted, hit its time limit or lost its node is a failed trial with that reason.
+Results travel through the trial folder, which must be on a file system the nodes share (as
+home and project folders are on clusters).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.storages import RDBStorage
+from optuna.trial import FrozenTrial, TrialState
+
+from autotune.agents import torchrun
+from autotune.errors import UserError
+from autotune.runner import (
+    STORAGE_ENV,
+    SubprocessRunner,
+    TrialAttrs,
+    TrialRunner,
+    merge_ranks,
+)
+from trials.lifeline import CONTROLLER_ENV, started_at
+from trials.spec import TrialResult, TrialSpec, rank_result_path
+
+SLURM_JOB_ATTR = "slurm_job_id"
+WATCHER_ATTR = "slurm_watcher"
+#: Slurm job states after which the job runs no more (``squeue``/``scontrol`` names)
+FINAL_STATES = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "PREEMPTED",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+}
+#: what a final state means, for the failed trial's reason
+STATE_REASONS = {
+    "CANCELLED": "cancelled (scancel, or an administrator) before it finished",
+    "PREEMPTED": "pre-empted by the scheduler for another job",
+    "TIMEOUT": "stopped at its Slurm time limit",
+    "NODE_FAIL": "lost a node",
+    "OUT_OF_MEMORY": "ran out of host memory (Slurm's memory limit)",
+    "BOOT_FAIL": "could not boot its node",
+    "DEADLINE": "missed its deadline",
+    "FAILED": "failed",
+}
+#: variables of the controller's environment that must not reach a job on another node: the
+#: controller's pid (its lifeline would end the job at once there), the storage URL (a
+#: password), an enclosing torchrun's or Slurm job's layout
+_DROP_ENV = (CONTROLLER_ENV, STORAGE_ENV, "RANK", "LOCAL_RANK", "WORLD_SIZE",
+             "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT",
+             "TORCHELASTIC_RUN_ID")  # fmt: skip
+#: seconds after which a job unknown to Slurm (purged: no accounting database) without a complete
+#: result is given up as lost
+LOST_AFTER_S = 60.0
+
+
+@dataclass(frozen=True)
+class SlurmOptions:
+    """``sbatch`` options of every trial job (what users set in their own batch scripts)."""
+
+    partition: str = ""
+    time_limit: str = ""  # sbatch --time (minutes or [D-]HH:MM:SS); default: --trial-timeout
+    account: str = ""
+    gpus_per_node: int = 0  # --gpus-per-node (CUDA trials)
+    cpus_per_task: int = 0  # per node's agent; default: one per rank on CPU trials
+    extra: tuple[str, ...] = ()  # more sbatch options, verbatim (--qos=high, --constraint=a100)
+    in_flight: int = 4  # jobs submitted at once
+    poll_s: float = 5.0  # seconds between looks at the queue
+
+    def to_attrs(self) -> dict[str, Any]:
+        return {"name": "slurm", **asdict(self), "extra": list(self.extra)}
+
+    @classmethod
+    def from_attrs(cls, attrs: dict[str, Any]) -> SlurmOptions:
+        known = {f.name for f in fields(cls)}
+        kw = {k: v for k, v in attrs.items() if k in known}
+        kw["extra"] = tuple(kw.get("extra", ()))
+        return cls(**kw)
+
+    def sbatch_options(self, spec: TrialSpec, timeout_s: float) -> list[str]:
+        per_node = spec.nproc // max(1, spec.nodes)
+        cpus = self.cpus_per_task or (per_node if spec.backend == "cpu" else 0)
+        opts = [f"--nodes={spec.nodes}", "--ntasks-per-node=1"]
+        opts.append(f"--time={self.time_limit or max(1, math.ceil(timeout_s / 60))}")
+        if cpus:
+            opts.append(f"--cpus-per-task={cpus}")
+        if self.gpus_per_node:
+            opts.append(f"--gpus-per-node={self.gpus_per_node}")
+        if self.partition:
+            opts.append(f"--partition={self.partition}")
+        if self.account:
+            opts.append(f"--account={self.account}")
+        return [*opts, *self.extra]
+
+
+def slurm_env() -> dict[str, str]:
+    """The environment a job is submitted with (sbatch exports it to the job)."""
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if k not in _DROP_ENV and (not k.startswith("SLURM_") or k == "SLURM_CONF")
+    }
+
+
+def _slurm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        list(args), capture_output=True, text=True, env=slurm_env(), check=check, timeout=60
+    )
+
+
+def check_slurm(options: SlurmOptions) -> None:
+    """One clear line now, rather than one failed trial per submission."""
+    for tool in ("sbatch", "scontrol", "scancel"):
+        if shutil.which(tool) is None:
+            raise UserError(f"--launcher slurm: `{tool}` is not on PATH (no Slurm client here)")
+    probe = _slurm("sbatch", "--test-only", *options.sbatch_options(TrialSpec({}, {}, 8, 1), 60),
+                   "--wrap", "true", check=False)  # fmt: skip
+    if probe.returncode != 0:
+        lines = [ln for ln in probe.stderr.splitlines() if ln.strip()]
+        reason = lines[-1].strip() if lines else f"exit code {probe.returncode}"
+        raise UserError(f"--launcher slurm: sbatch refuses these options: {reason}")
+
+
+@dataclass
+class JobState:
+    state: str  # PENDING, RUNNING, COMPLETED, CANCELLED, ... ("" when Slurm no longer knows it)
+    reason: str = ""
+    exit_code: str = ""
+
+    @property
+    def final(self) -> bool:
+        return self.state in FINAL_STATES
+
+
+def job_state(job_id: str) -> JobState:
+    """The job as ``scontrol show job`` reports it (finished jobs stay ``MinJobAge``)."""
+    out = _slurm("scontrol", "show", "job", "--oneliner", job_id, check=False)
+    if out.returncode != 0:
+        return JobState("")
+    pairs = {m.group(1): m.group(2) for m in re.finditer(r"(\w+)=(\S*)", out.stdout)}
+    state = pairs.get("JobState", "")
+    return JobState(state, pairs.get("Reason", ""), pairs.get("ExitCode", ""))
+
+
+def cancel(job_id: str) -> None:
+    _slurm("scancel", job_id, check=False)
+
+
+def _quote(arg: str) -> str:
+    # the rendezvous endpoint is the job's first node, known only inside the job
+    return arg if "$" in arg else shlex.quote(arg)
+
+
+def batch_script(
+    spec: TrialSpec,
+    options: SlurmOptions,
+    timeout_s: float,
+    job_cmd: list[str],
+    log: Path,
+    job_name: str,
+) -> str:
+    """The sbatch script of one trial: srun starts one torchrun agent per node."""
+    python, module_args = job_cmd[0], job_cmd[2:]  # job_cmd: python -m trials.job SPEC RESULT
+    per_node = spec.nproc // max(1, spec.nodes)
+    if spec.nodes > 1:
+        cmd = torchrun(python, spec.nodes, per_node, '"$head:$port"', '"$SLURM_JOB_ID"',
+                       module_args)  # fmt: skip
+    elif spec.nproc > 1:
+        cmd = [python, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={per_node}", "-m", *module_args]  # fmt: skip
+    else:
+        cmd = job_cmd
+    sbatch = [f"--job-name={job_name}", f"--output={log}", f"--chdir={Path.cwd()}",
+              *options.sbatch_options(spec, timeout_s)]  # fmt: skip
+    cpus = next((o.split("=", 1)[1] for o in sbatch if o.startswith("--cpus-per-task=")), "")
+    srun = ["srun", "--kill-on-bad-exit=1", f"--nodes={spec.nodes}", "--ntasks-per-node=1"]
+    if cpus:  # srun does not inherit sbatch's --cpus-per-task (Slurm 22.05 and later)
+        srun.append(f"--cpus-per-task={cpus}")
+    lines = [
+        "#!/bin/bash",
+        *[f"#SBATCH {shlex.quote(o)}" for o in sbatch],
+        "# written by autotune: one trial; srun starts one torchrun agent per node",
+        "export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false",
+        'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        "port=$((20000 + SLURM_JOB_ID % 20000))",
+        "exec " + " ".join(_quote(a) for a in [*srun, *cmd]),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").rstrip().splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def watcher() -> dict[str, Any]:
+    """This controller, as recorded on the trials whose jobs it collects."""
+    pid = os.getpid()
+    return {"host": socket.gethostname(), "pid": pid, "started": started_at(pid),
+            "at": time.time()}  # fmt: skip
+
+
+def watched(attrs: dict[str, Any], grace_s: float) -> bool:
+    """Whether a live controller still collects this trial's job."""
+    w = attrs.get(WATCHER_ATTR)
+    if not isinstance(w, dict):
+        return False
+    if w.get("host") == socket.gethostname():
+        return w.get("pid") != os.getpid() and started_at(int(w["pid"])) == w.get("started")
+    return time.time() - float(w.get("at", 0)) < grace_s
+
+
+class SlurmRunner(TrialRunner):
+    """Each trial an sbatch job; waits for it (many at once from Optuna's ``n_jobs`` threads)."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        options: SlurmOptions,
+        timeout_s: float = 600.0,
+        python: str = sys.executable,
+    ) -> None:
+        self.workdir = Path(workdir).absolute()
+        self.options = options
+        self.timeout_s = timeout_s
+        self.python = python
+        #: set on Ctrl-C/SIGTERM: every waiting thread cancels its job and stops
+        self.stopping = threading.Event()
+
+    def run(self, spec: TrialSpec, name: str) -> TrialResult:
+        return self._run(None, spec, name)
+
+    def run_for(self, trial: TrialAttrs, spec: TrialSpec, name: str) -> TrialResult:
+        return self._run(trial, spec, name)
+
+    def _paths(self, name: str) -> tuple[Path, Path, Path]:
+        trial_dir = self.workdir / name
+        return trial_dir, trial_dir / "spec.json", trial_dir / "result.json"
+
+    def submit(self, spec: TrialSpec, name: str) -> str:
+        trial_dir, spec_path, result_path = self._paths(name)
+        trial_dir.mkdir(parents=True, exist_ok=True)
+        for rank in range(spec.nproc):
+            rank_result_path(result_path, rank, spec.nproc).unlink(missing_ok=True)
+        spec_path.write_text(spec.to_json())
+        job_cmd = [self.python, "-m", "trials.job", str(spec_path), str(result_path)]
+        job_name = re.sub(r"[^A-Za-z0-9._-]+", "_", f"autotune-{self.workdir.name}-{name}")
+        script = trial_dir / "job.sbatch"
+        script.write_text(batch_script(spec, self.options, self.timeout_s, job_cmd,
+                                       trial_dir / "slurm-%j.log", job_name))  # fmt: skip
+        out = _slurm("sbatch", "--parsable", str(script), check=False)
+        if out.returncode != 0:
+            raise SubmitError(out.stderr.strip().splitlines()[-1] if out.stderr.strip() else "")
+        return out.stdout.strip().split(";")[0]
+
+    def _run(self, trial: TrialAttrs | None, spec: TrialSpec, name: str) -> TrialResult:
+        start = time.perf_counter()
+        job_id = str(trial.user_attrs.get(SLURM_JOB_ATTR, "")) if trial is not None else ""
+        if not job_id:
+            try:
+                job_id = self.submit(spec, name)
+            except SubmitError as exc:
+                return TrialResult(status="failed", error=f"sbatch refused the trial: {exc}")
+            if trial is not None:
+                trial.set_user_attr(SLURM_JOB_ATTR, job_id)
+        state = self.wait(job_id, trial, spec, name)
+        result = self.collect(job_id, state, spec, name)
+        result.wall_s = result.wall_s or time.perf_counter() - start
+        return result
+
+    def _complete(self, spec: TrialSpec, name: str) -> bool:
+        result_path = self._paths(name)[2]
+        return all(
+            rank_result_path(result_path, r, spec.nproc).is_file() for r in range(spec.nproc)
+        )
+
+    def wait(self, job_id: str, trial: TrialAttrs | None, spec: TrialSpec, name: str) -> JobState:
+        unknown_since: float | None = None
+        while True:
+            if trial is not None:
+                trial.set_user_attr(WATCHER_ATTR, watcher())
+            state = job_state(job_id)
+            if state.final:
+                return state
+            if not state.state:  # purged from slurmctld's memory (or slurmctld unreachable)
+                if self._complete(spec, name):
+                    return JobState("COMPLETED")
+                unknown_since = unknown_since or time.monotonic()
+                if time.monotonic() - unknown_since > LOST_AFTER_S:
+                    return state
+            else:
+                unknown_since = None
+            if self.stopping.wait(self.options.poll_s):
+                cancel(job_id)
+                raise KeyboardInterrupt
+
+    def collect(self, job_id: str, state: JobState, spec: TrialSpec, name: str) -> TrialResult:
+        trial_dir, _, result_path = self._paths(name)
+        log = trial_dir / f"slurm-{job_id}.log"
+        paths = [rank_result_path(result_path, r, spec.nproc) for r in range(spec.nproc)]
+        present = [TrialResult.load(p) for p in paths if p.is_file()]
+        if len(present) == spec.nproc:
+            result = merge_ranks(present, nodes=spec.nodes)
+            if result.status == "failed":
+                result.stderr_tail = _tail(log)
+            return result
+        ran_out = [r for r in present if r.status == "oom"]
+        if ran_out:  # one rank's OOM ended the job; srun stopped the others
+            result = merge_ranks(ran_out, n_ranks=spec.nproc, nodes=spec.nodes)
+            result.stderr_tail = _tail(log)
+            return result
+        if not state.state:
+            error = f"Slurm job {job_id} vanished without a result (purged, or slurmctld lost it)"
+        else:
+            why = STATE_REASONS.get(state.state, state.state.lower())
+            if state.state in ("FAILED", "COMPLETED"):
+                why = f"ended with exit code {state.exit_code} before every rank wrote a result"
+            error = f"Slurm job {job_id} {state.state}: {why}"
+            if state.reason and state.reason != "None":
+                error += f" ({state.reason})"
+        return TrialResult(status="failed", error=error, stderr_tail=_tail(log))
+
+
+class SubmitError(Exception):
+    """sbatch refused a job."""
+
+
+# --- a restarted controller collects the jobs its predecessor left ---------------------------
+
+
+def orphans(study: optuna.Study, grace_s: float) -> list[FrozenTrial]:
+    """RUNNING trials with a Slurm job that no live controller collects."""
+    return [
+        t
+        for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+        if t.user_attrs.get(SLURM_JOB_ATTR) and not watched(t.user_attrs, grace_s)
+    ]
+
+
+@dataclass
+class Adoption:
+    """Threads collecting adopted jobs into their trials."""
+
+    threads: list[threading.Thread] = field(default_factory=list)
+    numbers: list[int] = field(default_factory=list)
+
+    def join(self) -> None:
+        for thread in self.threads:
+            thread.join()
+
+
+def adopt(
+    study: optuna.Study,
+    storage: RDBStorage,
+    objective: Any,
+    crashed: type[Exception],
+) -> Adoption:
+    """Collect every orphaned Slurm trial of ``study`` in a thread of its own: its heartbeat
+    kept alive, the job waited for, the result recorded into the same trial as ``objective``
+    records any (``crashed``: the objective's exception for a failed trial)."""
+    interval = storage.get_heartbeat_interval() or 10
+    adoption = Adoption()
+    study_id = storage.get_study_id_from_name(study.study_name)
+    for frozen in orphans(study, grace_s=3 * interval):
+        trial_id = storage.get_trial_id_from_study_id_trial_number(study_id, frozen.number)
+        storage.record_heartbeat(trial_id)  # before anyone's stale-trial sweep fails it
+        trial = optuna.Trial(study, trial_id)
+        trial.set_user_attr(WATCHER_ATTR, watcher())
+
+        def collect(trial: optuna.Trial = trial, trial_id: int = trial_id) -> None:
+            done = threading.Event()
+
+            def beat() -> None:
+                while not done.wait(interval):
+                    storage.record_heartbeat(trial_id)
+
+            threading.Thread(target=beat, daemon=True).start()
+            try:
+                values = objective(trial)
+            except crashed:
+                study.tell(trial, state=TrialState.FAIL)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    study.tell(trial, state=TrialState.FAIL)
+                raise
+            else:
+                study.tell(trial, values)
+            finally:
+                done.set()
+
+        thread = threading.Thread(target=collect, name=f"slurm-trial-{frozen.number}")
+        thread.start()
+        adoption.threads.append(thread)
+        adoption.numbers.append(frozen.number)
+    return adoption
+
+
+# --- the command line's side -----------------------------------------------------------------
+
+LAUNCHERS = ("local", "slurm")
+
+
+def launcher_options(f: Any) -> Any:
+    """``--launcher`` and the Slurm job's options, shared by the commands that run trials."""
+    import click
+
+    options = [
+        click.option(
+            "--launcher",
+            type=click.Choice(LAUNCHERS),
+            default=None,
+            help="local: trials on this machine (default). slurm: each trial an sbatch job; "
+            "queued and running jobs survive a restart of this command.",
+        ),
+        click.option("--partition", default=None, help="slurm: the partition (sbatch -p)."),
+        click.option("--account", default=None, help="slurm: the account to charge (sbatch -A)."),
+        click.option(
+            "--slurm-time",
+            default=None,
+            help="slurm: each job's time limit (sbatch --time: minutes or [D-]HH:MM:SS); "
+            "default: --trial-timeout.",
+        ),
+        click.option(
+            "--in-flight",
+            type=click.IntRange(min=1, max=1024),
+            default=None,
+            help="slurm: trials submitted at once (default 4).",
+        ),
+        click.option(
+            "--sbatch-option",
+            "sbatch_options",
+            multiple=True,
+            help="slurm: one more sbatch option, verbatim (e.g. --qos=high); repeatable.",
+        ),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def launcher_attrs(
+    stored: dict[str, Any],
+    launcher: str | None,
+    partition: str | None,
+    account: str | None,
+    slurm_time: str | None,
+    in_flight: int | None,
+    sbatch_options: tuple[str, ...],
+    gpus_per_node: int = 0,
+) -> dict[str, Any]:
+    """The launcher a command uses: the one stored with the study, changed by what was given."""
+    name = launcher or stored.get("name", "local")
+    slurm_given = [
+        flag
+        for flag, value in (
+            ("--partition", partition),
+            ("--account", account),
+            ("--slurm-time", slurm_time),
+            ("--in-flight", in_flight),
+            ("--sbatch-option", sbatch_options),
+        )
+        if value
+    ]
+    if name != "slurm":
+        if slurm_given:
+            raise UserError(f"{slurm_given[0]} is a Slurm option: add --launcher slurm")
+        return {"name": "local"}
+    if slurm_time and not re.fullmatch(
+        r"\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}", slurm_time
+    ):
+        raise UserError(f"--slurm-time {slurm_time!r}: use minutes or [D-]HH:MM:SS, as sbatch does")
+    for opt in sbatch_options:
+        if not opt.startswith("-"):
+            raise UserError(f"--sbatch-option {opt!r}: give an sbatch option, e.g. --qos=high")
+    base = SlurmOptions.from_attrs(stored) if stored.get("name") == "slurm" else SlurmOptions()
+    changes: dict[str, Any] = {
+        "partition": partition,
+        "account": account,
+        "time_limit": slurm_time,
+        "in_flight": in_flight,
+        "extra": tuple(sbatch_options) or None,
+        "gpus_per_node": gpus_per_node or None,
+    }
+    options = SlurmOptions(**{**asdict(base), **{k: v for k, v in changes.items() if v}})
+    if os.environ.get(POLL_ENV):
+        options = SlurmOptions(**{**asdict(options), "poll_s": float(os.environ[POLL_ENV])})
+    check_slurm(options)
+    return options.to_attrs()
+
+
+#: sbatch --time: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS
+SLURM_TIME = r"\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}"
+#: seconds between looks at the Slurm queue (tests use less than the default 5)
+POLL_ENV = "AUTOTUNE_SLURM_POLL_S"
+
+
+def make_runner(attrs: dict[str, Any], workdir: Path, timeout_s: float) -> TrialRunner:
+    """The runner of a launcher's stored attrs."""
+    if attrs.get("name") == "slurm":
+        return SlurmRunner(workdir, SlurmOptions.from_attrs(attrs), timeout_s=timeout_s)
+    return SubprocessRunner(workdir, timeout_s=timeout_s)
+
+
+def concurrency(attrs: dict[str, Any]) -> int:
+    """Trials at once: Slurm jobs in flight; local trials one at a time (they share devices)."""
+    return int(attrs.get("in_flight", 4)) if attrs.get("name") == "slurm" else 1

@@ -1,0 +1,169 @@
+"""The Slurm launcher against a real Slurm: slurmctld + slurmd + munge on this machine, started
+by ``scripts/install_slurm.sh`` (CI runs it before the tests). No mock: real sbatch jobs run
+real trials; Slurm's own ``scontrol`` is the oracle for what happened to each job.
+
+Where Slurm is not running these tests fail (they do not skip): run the script as root first.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from autotune.launchers import POLL_ENV, SLURM_JOB_ATTR
+from autotune.storage import HEARTBEAT_ENV
+from tests.conftest import SMALL_ARGS
+
+TINY_SPACE = Path(__file__).parent / "data" / "tiny_space.yaml"
+STUDY = "tiny-llama-150MB-cpu"
+ENV = {**os.environ, HEARTBEAT_ENV: "1", POLL_ENV: "0.5", "PYTHONUNBUFFERED": "1"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def slurm_up() -> None:
+    ping = (
+        subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=30)
+        if shutil.which("scontrol")
+        else None
+    )
+    if ping is None or "UP" not in ping.stdout:
+        pytest.fail("no Slurm answers here: run scripts/install_slurm.sh as root (CI does)")
+
+
+def _autotune(*args: str, cwd: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "autotune.cli", *args],
+        cwd=cwd,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _run_args(n: int, storage: str, *extra: str) -> list[str]:
+    return [
+        "run", "--model", "tiny-llama", "--budget", "150MB", "--space", str(TINY_SPACE),
+        *SMALL_ARGS, "--trials", str(n), "--storage", storage, "--launcher", "slurm", *extra,
+    ]  # fmt: skip
+
+
+def _trials(storage: str) -> list[optuna.trial.FrozenTrial]:
+    return optuna.load_study(study_name=STUDY, storage=storage).get_trials()
+
+
+def _job_ids(storage: str) -> list[str]:
+    try:
+        return [str(t.user_attrs[SLURM_JOB_ATTR]) for t in _trials(storage)
+                if SLURM_JOB_ATTR in t.user_attrs]  # fmt: skip
+    except KeyError:  # the study is not created yet
+        return []
+
+
+def _slurm_state(job_id: str) -> str:
+    out = subprocess.run(
+        ["scontrol", "show", "job", "--oneliner", job_id], capture_output=True, text=True
+    ).stdout
+    match = re.search(r"JobState=(\S+)", out)
+    return match.group(1) if match else ""
+
+
+def _wait_for(what: str, cond: Callable[[], bool], timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.3)
+
+
+def _finish(proc: subprocess.Popen[str], timeout_s: float = 400) -> str:
+    out, err = proc.communicate(timeout=timeout_s)
+    assert proc.returncode == 0, out + err
+    return out
+
+
+def test_trials_run_as_slurm_jobs_several_in_flight(tmp_path: Path) -> None:
+    storage = f"sqlite:///{tmp_path / 's.db'}"
+    seen: set[frozenset[str]] = set()
+    stop = threading.Event()
+
+    def watch_queue() -> None:  # which of our jobs Slurm runs at the same time
+        while not stop.is_set():
+            out = subprocess.run(["squeue", "-h", "-t", "R", "-o", "%i"], capture_output=True,
+                                 text=True).stdout  # fmt: skip
+            mine = set(out.split()) & set(_job_ids(storage))
+            if mine:
+                seen.add(frozenset(mine))
+            time.sleep(0.3)
+
+    watcher = threading.Thread(target=watch_queue, daemon=True)
+    watcher.start()
+    try:
+        _finish(_autotune(*_run_args(3, storage, "--in-flight", "2"), cwd=tmp_path))
+    finally:
+        stop.set()
+        watcher.join()
+    trials = _trials(storage)
+    assert len(trials) == 3 and all(t.state == TrialState.COMPLETE for t in trials)
+    ids = [str(t.user_attrs[SLURM_JOB_ATTR]) for t in trials]
+    assert len(set(ids)) == 3
+    for t, job_id in zip(trials, ids, strict=True):
+        assert _slurm_state(job_id) == "COMPLETED"  # Slurm's own account of the job
+        assert t.user_attrs["status"] in ("ok", "oom") and t.user_attrs["peak_bytes"] > 0
+        log = tmp_path / "autotune_runs" / STUDY / f"trial-{t.number}" / f"slurm-{job_id}.log"
+        assert log.is_file()
+    assert max(len(s) for s in seen) == 2, seen  # two jobs ran at once
+
+
+def test_queued_and_running_jobs_survive_a_controller_restart(tmp_path: Path) -> None:
+    """Both jobs are submitted held (queued); the controller is killed (-9); one job is released
+    and runs, the other stays queued; a new controller collects both into their trials."""
+    storage = f"sqlite:///{tmp_path / 's.db'}"
+    first = _autotune(
+        *_run_args(2, storage, "--in-flight", "2", "--sbatch-option=--hold"), cwd=tmp_path
+    )
+    _wait_for("two jobs submitted", lambda: len(_job_ids(storage)) == 2)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    running, queued = sorted(_job_ids(storage), key=int)
+    assert _slurm_state(running) == _slurm_state(queued) == "PENDING"
+    subprocess.run(["scontrol", "release", running], check=True)
+    _wait_for("the released job to run", lambda: _slurm_state(running) != "PENDING")
+
+    second = _autotune("resume", "--study", STUDY, "--storage", storage, "--trials", "0",
+                       cwd=tmp_path)  # fmt: skip
+    time.sleep(3)
+    assert _slurm_state(queued) == "PENDING"
+    subprocess.run(["scontrol", "release", queued], check=True)
+    out = _finish(second)
+    assert "collecting trial" in out
+    trials = _trials(storage)
+    assert len(trials) == 2, "collected into the same trials, none retried"
+    assert all(t.state == TrialState.COMPLETE for t in trials), [t.state for t in trials]
+    assert sorted(str(t.user_attrs[SLURM_JOB_ATTR]) for t in trials) == [running, queued]
+    assert all(t.user_attrs["peak_bytes"] > 0 for t in trials)
+    assert _slurm_state(running) == _slurm_state(queued) == "COMPLETED"
+
+
+def test_a_cancelled_job_is_a_failed_trial_with_its_reason(tmp_path: Path) -> None:
+    storage = f"sqlite:///{tmp_path / 's.db'}"
+    proc = _autotune(*_run_args(1, storage), cwd=tmp_path)
+    _wait_for("the job", lambda: len(_job_ids(storage)) == 1)
+    (job_id,) = _job_ids(storage)
+    subprocess.run(["scancel", job_id], check=True)
+    _finish(proc)
+    (trial,) = _trials(storage)
+    assert trial.state == TrialState.FAIL
+    assert _slurm_state(job_id) == "CANCELLED"
+    assert f"Slurm job {job_id} CANCELLED" in trial.user_attrs["error"]
