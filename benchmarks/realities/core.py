@@ -5,8 +5,8 @@ its status (``ok``, ``oom`` over the budget, ``failed``: a crash), its peak memo
 its loss curve, and what the trial costs in wall-clock. None is the analytical estimator the
 strategy orders its candidates with:
 
-* ``measured_reality``: a table of real CPU trials (``measure.py``), replayed;
-* ``traced_reality``: the traced estimator (a fake-tensor run of the trial's own step) plus the
+* measured: a table of real CPU trials (``measure.py``), replayed by ``table_reality``;
+* traced: the traced estimator (a fake-tensor run of the trial's own step) plus the
   construction peak of the device model, as a table (``trace.py``), replayed;
 * ``interaction_reality``: the analytical model times main effects, *pairwise* interaction terms
   (checkpointing x micro-batch, offload x ZeRO stage, precision x attention, ...) and crashes of

@@ -6,7 +6,7 @@ Memory: the traced estimator (``autotune.estimator.traced``: the trial's own ste
 tensors, with ZeRO/offload model states from ``autotune.estimator.states``), and the larger of
 that and the *construction peak*: the trial builds the fp32 model on the device before the
 engine shards or offloads it (4 B/param), except under ZeRO-3, where ``zero.Init`` builds it
-partitioned (the largest layer gathered). Speed: the roofline for the GPU. Cost: a fixed setup
+partitioned (its largest tensor gathered). Speed: the roofline for the GPU. Cost: a fixed setup
 plus the trial's steps (an OOM: the setup and one step).
 """
 
