@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import signal
 import sys
 import threading
@@ -18,7 +19,13 @@ import optuna
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from autotune.display import describe, ladder_table, print_selection
+from autotune.display import (
+    describe,
+    ladder_table,
+    print_answer,
+    print_failures,
+    results_table,
+)
 from autotune.errors import OneLineGroup, UserError
 from autotune.estimate_cli import (
     ESTIMATE_TRIALS,
@@ -58,8 +65,9 @@ from trials.spec import TrialResult
 #: Real CPU trials build the model in this machine's memory; beyond this they can't run here.
 MAX_CPU_TRIAL_PARAMS = 500_000_000
 
-console = Console(width=100)
-err_console = Console(stderr=True, width=100)
+# as wide as the terminal (rich reads it, or COLUMNS; 80 when neither is known)
+console = Console()
+err_console = Console(stderr=True)
 
 storage_option = click.option(
     "--storage",
@@ -139,9 +147,7 @@ def _optimize(
         objective.on_result = on_result
         try:
             with _terminate_as_interrupt():
-                study.optimize(
-                    objective, n_trials=n_trials, timeout=timeout, catch=(TrialCrashed,)
-                )
+                study.optimize(objective, n_trials=n_trials, timeout=timeout, catch=(TrialCrashed,))
         except KeyboardInterrupt:
             progress.stop()
             err_console.print(
@@ -169,14 +175,39 @@ def _terminate_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _report(study: optuna.Study, storage_url: str) -> None:
+def _report(study: optuna.Study, storage_url: str, table: bool = True) -> None:
+    """The answer block, after the full trials table when ``table`` (``show``, ``--table``)."""
     sel = select(study)
     settings = settings_of(study)
     title = f"study {study.study_name}"
+    predicted_for = ""
     if settings.backend == "estimate":
-        title += f": predicted for {gpu_spec(settings.target_gpu).name}, not measured"
-    print_selection(console, sel, title=title)
+        predicted_for = gpu_spec(settings.target_gpu).name
+        title += f": predicted for {predicted_for}, not measured"
+    if table:
+        console.print(results_table(sel, title=title))
+        print_failures(console, sel.rows)
+    else:
+        counts = {k: sum(r.status == k for r in sel.rows) for k in ("ok", "oom", "failed")}
+        console.print(
+            f"{len(sel.rows)} trials: {counts['ok']} ran, {counts['oom']} over the budget, "
+            f"{counts['failed']} failed (the full table: autotune show, or --table)"
+        )
+    print_answer(console, sel, _next_commands(study, storage_url), predicted_for)
     console.print(f"stored in {mask_url(storage_url)} as study '{study.study_name}'")
+
+
+def _next_commands(study: optuna.Study, storage_url: str) -> dict[str, str]:
+    """What to type next, for this study and storage (the password masked)."""
+    where = f" --study {shlex.quote(study.study_name)}"
+    if storage_url != DEFAULT_STORAGE:
+        where += f" --storage {shlex.quote(mask_url(storage_url))}"
+    return {
+        "export": f"autotune export{where} --format deepspeed --out ds_config.json"
+        " (or hf, accelerate, axolotl, command)",
+        "resume": f"autotune resume{where} --trials 12",
+        "report": f"autotune report{where} --out autotune_report",
+    }
 
 
 @main.command()
@@ -237,6 +268,7 @@ def _report(study: optuna.Study, storage_url: str) -> None:
     default=None,
     help="CPU: run each trial as N processes (torchrun, gloo); the budget is per process.",
 )
+@click.option("--table", is_flag=True, help="Print every trial's row before the answer.")
 @click.option(
     "--gpus",
     type=click.IntRange(min=1),
@@ -262,6 +294,7 @@ def run(
     ladder: bool,
     nproc: int | None,
     gpus: int | None,
+    table: bool,
 ) -> None:
     """Run (or continue) a study of real training trials (or of predictions, without a GPU)."""
     budget_bytes = parse_size(budget)
@@ -324,7 +357,7 @@ def run(
         storage,
         strategy=strategy,
     )
-    _report(study, storage)
+    _report(study, storage, table=table)
     if gpu_target is not None:
         confirm_winner(study, settings_of(study), console)
     if ladder:
@@ -377,6 +410,7 @@ def _cuda_available() -> bool:
 @trial_timeout_option
 @timeout_option
 @click.option("--ladder", is_flag=True, help="Then measure the missing rungs of the ladder.")
+@click.option("--table", is_flag=True, help="Print every trial's row before the answer.")
 def resume(
     study_name: str,
     n_trials: int,
@@ -384,6 +418,7 @@ def resume(
     trial_timeout: float,
     timeout: float | None,
     ladder: bool,
+    table: bool,
 ) -> None:
     """Continue a study by name with its stored settings."""
     study = load_existing(open_storage(storage, must_exist=True), study_name)
@@ -398,7 +433,7 @@ def resume(
             trial_timeout,
             storage,
         )
-    _report(study, storage)
+    _report(study, storage, table=table)
     if ladder:
         _climb(study, trial_timeout, storage)
 
@@ -444,7 +479,7 @@ def worker(
         storage,
         worker=True,
     )
-    _report(study, storage)
+    _report(study, storage, table=False)
 
 
 @main.command()

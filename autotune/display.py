@@ -11,6 +11,7 @@ from rich.table import Table
 
 from autotune.selector import Row, Selection
 from autotune.units import format_size
+from trials.techniques import FIDELITY_CLASSES, fidelity_class
 
 STATUS_STYLE = {"ok": "green", "oom": "red", "failed": "magenta", "running": "yellow"}
 #: how each dimension is abbreviated in the table's config column
@@ -129,17 +130,18 @@ LADDER_HEADERS = {
     "step": "step",
     "adds": "adds",
     "peak": "peak",
-    "saved": "saved",
+    "peak_change": "Δ peak",
     "alone": "alone",
     "tok/s": "tok/s",
-    "speed": "speed",
+    "speed_change": "Δ tok/s",
     "loss": "loss vs ref",
     "trial": "trial",
 }
 
 
 def ladder_table(cells: list[dict[str, str]], budget_bytes: int) -> Table:
-    """The ablation ladder; ``saved`` is vs the rung below, ``alone`` on the baseline alone."""
+    """The ablation ladder, cumulative: each rung keeps the ones above; the changes are against
+    the rung below, ``alone`` is the same technique's saving on the baseline alone."""
     table = Table(
         title=f"ablation ladder (budget {format_size(budget_bytes)})",
         title_justify="left",
@@ -162,3 +164,90 @@ def ladder_table(cells: list[dict[str, str]], budget_bytes: int) -> Table:
             values["trial"] = f"[cyan]{cell['trial']}[/cyan]"
         table.add_row(*(values[k] for k in LADDER_HEADERS))
     return table
+
+
+# --- the answer a person reads first -------------------------------------------------------------
+
+
+def runners_up(sel: Selection) -> dict[str, Row]:
+    """Per fidelity class (``trials.techniques.FIDELITY_CLASSES``), the fastest feasible trial
+    other than the winner: the selector's winner rule applied within each class."""
+    out: dict[str, Row] = {}
+    for cls in FIDELITY_CLASSES:
+        feasible = [
+            r
+            for r in sel.rows
+            if r.feasible
+            and r.duplicate_of is None
+            and fidelity_class(r.config) == cls
+            and (sel.winner is None or r.number != sel.winner.number)
+        ]
+        if feasible:
+            out[cls] = max(feasible, key=lambda r: r.tokens_per_s)
+    return out
+
+
+def _memory_words(row: Row) -> str:
+    host = (row.memory_breakdown or {}).get("host_offloaded", 0)
+    words = f"{format_size(row.peak_bytes)} GPU"
+    return words + (f" + {format_size(host)} host" if host else ", no host offload")
+
+
+def print_answer(
+    console: Console, sel: Selection, commands: dict[str, str], predicted_for: str = ""
+) -> None:
+    """The short answer ``run`` ends with: the winner, why, its memory, the runner-up of each
+    fidelity class and what to type next; it wraps to the console's width."""
+    if sel.winner is not None:
+        w = sel.winner
+        tag = f" (predicted for {predicted_for}, not measured)" if predicted_for else ""
+        console.print(
+            f"[bold green]winner[/bold green]: trial {w.number}:{tag} {escape(describe(w.config))}"
+        )
+    console.print(answer_grid(sel, commands))
+
+
+def answer_grid(sel: Selection, commands: dict[str, str]) -> Table:
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold", no_wrap=True)
+    grid.add_column(overflow="fold")
+    budget = format_size(sel.budget_bytes)
+    fitting = [r for r in sel.rows if r.feasible and r.duplicate_of is None]
+    if sel.winner is None:
+        closest = sel.closest
+        grid.add_row(
+            "winner",
+            f"[red]nothing fits {budget} yet[/red]"
+            + (
+                f"; closest: trial {closest.number} at {format_size(closest.peak_bytes)}: "
+                f"{escape(describe(closest.config))}"
+                if closest is not None
+                else ""
+            ),
+        )
+    else:
+        w = sel.winner
+        others = sorted((r for r in fitting if r.number != w.number), key=lambda r: -r.tokens_per_s)
+        why = (
+            f"fastest ({w.tokens_per_s:,.0f} tokens/s) of {len(fitting)} trial(s) that fit "
+            f"{budget} without a loss regression"
+        )
+        if others and others[0].tokens_per_s > 0:
+            gain = w.tokens_per_s / others[0].tokens_per_s - 1
+            why += f"; {gain:.0%} faster than the next, trial {others[0].number}"
+        grid.add_row("why", why)
+        grid.add_row("memory", f"{_memory_words(w)} (budget {budget} per GPU)")
+        ups = runners_up(sel)
+        if ups:
+            grid.add_row("runner-up", "the fastest other fitting trial of each fidelity class:")
+        for cls in FIDELITY_CLASSES:
+            r = ups.get(cls)
+            if r is not None:
+                grid.add_row(
+                    f"  {cls}",
+                    f"trial {r.number}: {r.tokens_per_s:,.0f} tokens/s, {_memory_words(r)}: "
+                    f"{escape(describe(r.config))}",
+                )
+    for label, command in commands.items():
+        grid.add_row(label, escape(command))
+    return grid

@@ -171,4 +171,8 @@ def merge_ranks(results: list[TrialResult]) -> TrialResult:
         wall_s=max(r.wall_s for r in results),
         memory_breakdown=worst.memory_breakdown,
         rank_peaks=[r.peak_bytes for r in results],
+        construction_peak_bytes=worst.construction_peak_bytes,
+        training_peak_bytes=worst.training_peak_bytes,
+        construction_breakdown=worst.construction_breakdown,
+        host_peak_bytes=max(r.host_peak_bytes for r in results),
     )

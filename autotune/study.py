@@ -242,6 +242,10 @@ _RESULT_ATTRS = (
     "memory_breakdown",
     "stderr_tail",
     "rank_peaks",
+    "construction_peak_bytes",
+    "training_peak_bytes",
+    "construction_breakdown",
+    "host_peak_bytes",
 )
 
 

@@ -51,6 +51,24 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _with_host(breakdown: dict[str, int], monitor: MemoryMonitor) -> dict[str, int]:
+    """The device's roles, and ``host_offloaded`` beside them when anything was offloaded."""
+    if monitor.host_peak_bytes:
+        return {**breakdown, "host_offloaded": monitor.host_peak_bytes}
+    return breakdown
+
+
+def _peaks(monitor: MemoryMonitor) -> dict[str, Any]:
+    """Construction and training peaks apart, construction's breakdown, the host's peak."""
+    host = monitor.host_peak_bytes
+    return {
+        "construction_peak_bytes": monitor.construction_peak_bytes,
+        "training_peak_bytes": monitor.training_peak_bytes,
+        "construction_breakdown": monitor.breakdown(construction=True),
+        "host_peak_bytes": host,
+    }
+
+
 def run_trial(spec: TrialSpec) -> TrialResult:
     """One rank's trial. ``global_batch_size`` is per rank (the batch each rank trains on), so
     tokens/s here is this rank's; the runner sums the ranks."""
@@ -69,6 +87,7 @@ def run_trial(spec: TrialSpec) -> TrialResult:
             CHECKPOINTING[cfg.get("gradient_checkpointing", "off")](model, cfg)
             model = QUANTIZATION[str(cfg.get("quantization", "none"))](model, device)
             engine = ENGINES[engine_for(cfg)](model, spec, device, monitor)
+            monitor.end_construction()  # construction's peak is kept apart from training's
             for step in range(spec.warmup_steps):
                 losses.append(engine.step(rank_batch(spec, step, rank, n_ranks).to(device)))
             with monitor.pause():
@@ -88,7 +107,8 @@ def run_trial(spec: TrialSpec) -> TrialResult:
             tokens_per_s=tokens_done / elapsed if elapsed > 0 else 0.0,
             losses=losses,
             wall_s=time.perf_counter() - start,
-            memory_breakdown=engine.breakdown(peak),
+            memory_breakdown=_with_host(monitor.breakdown() or engine.breakdown(peak), monitor),
+            **_peaks(monitor),
         )
     except torch.OutOfMemoryError as exc:
         return TrialResult(
@@ -97,6 +117,10 @@ def run_trial(spec: TrialSpec) -> TrialResult:
             losses=losses,
             error=str(exc).splitlines()[0][:500] if str(exc) else "out of memory",
             wall_s=time.perf_counter() - start,
+            memory_breakdown=_with_host(
+                monitor.breakdown(), monitor
+            ),  # what filled the memory when it ran out
+            **_peaks(monitor),
         )
 
 

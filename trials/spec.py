@@ -60,6 +60,14 @@ class TrialResult:
     memory_breakdown: dict[str, int] = field(default_factory=dict)
     stderr_tail: str = ""
     rank_peaks: list[int] = field(default_factory=list)  # per rank, in a multi-process trial
+    #: the peak while the model is built and wrapped (before the first step), and during the
+    #: steps; ``peak_bytes`` is the larger, and the budget applies to both
+    construction_peak_bytes: int = 0
+    training_peak_bytes: int = 0
+    #: ``memory_breakdown`` is by role (``trials.roles.ROLES``) at the peak; this one at the
+    #: construction peak
+    construction_breakdown: dict[str, int] = field(default_factory=dict)
+    host_peak_bytes: int = 0  # offloaded to host memory at most (ZeRO offload)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
