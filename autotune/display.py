@@ -202,7 +202,7 @@ def print_answer(
         w = sel.winner
         tag = f" (predicted for {predicted_for}, not measured)" if predicted_for else ""
         console.print(
-            f"[bold green]winner[/bold green]: trial {w.number}:{tag} {escape(describe(w.config))}"
+            f"[bold green]winner[/bold green]: trial {w.number}: {escape(describe(w.config))}{tag}"
         )
     console.print(answer_grid(sel, commands))
 

@@ -192,7 +192,7 @@ def pareto_figure(sel: Selection, ladder: Ladder | None, title: str) -> Figure:
         budget_mib,
         x_hi,
         facecolor="#c44e52",
-        alpha=0.08,
+        alpha=0.12,
         hatch="//",
         edgecolor="#c44e52",
         linewidth=0,
@@ -551,7 +551,8 @@ def write_html(
         for k, p in pngs.items()
     }
     ladder_html = _html_table(LADDER_COLUMNS, ladder_cells(ladder), COLUMN_TITLES, "ladder")
-    trials_html = _html_table(TRIAL_COLUMNS, trials, {}, "trials")
+    titles = {"construction": "construction peak", "optimizer_states": "optimizer states"}
+    trials_html = _html_table(TRIAL_COLUMNS, trials, titles, "trials")
     path.write_text(
         "<!doctype html><html lang='en'><head><meta charset='utf-8'>"
         f"<title>autotune: {e(study.study_name)}</title><style>"
