@@ -52,10 +52,8 @@ def _sync(device: torch.device) -> None:
 
 
 def _with_host(breakdown: dict[str, int], monitor: MemoryMonitor) -> dict[str, int]:
-    """The device's roles, and ``host_offloaded`` beside them when anything was offloaded."""
-    if monitor.host_peak_bytes:
-        return {**breakdown, "host_offloaded": monitor.host_peak_bytes}
-    return breakdown
+    """The device's roles, and beside them ``host_offloaded``: host memory, not in the peak."""
+    return {**breakdown, "host_offloaded": monitor.host_peak_bytes}
 
 
 def _peaks(monitor: MemoryMonitor) -> dict[str, Any]:
