@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
+import math
 import os
-import shlex
 import signal
 import sys
 import threading
@@ -16,38 +17,44 @@ from typing import Any
 
 import click
 import optuna
-from rich.console import Console
+from click.core import ParameterSource
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from autotune.display import (
+    commands_grid,
     describe,
     ladder_table,
     print_answer,
     print_failures,
     results_table,
 )
-from autotune.errors import OneLineGroup, UserError
+from autotune.errors import EnvironmentFailure, OneLineGroup, UserError
 from autotune.estimate_cli import (
-    ESTIMATE_TRIALS,
     banner,
     confirm_winner,
     estimate_cmd,
     estimate_space,
     hardware_for,
+    host_budget,
+    queue_class_bests,
     runner_for,
     target_gpu,
 )
+from autotune.estimator.exhaustive import ClassBest
 from autotune.estimator.gpus import gpu_spec
-from autotune.export import EXPORTERS, export
+from autotune.export import EXPORTERS, UserSettings, export, measured_on
 from autotune.hardware import Hardware
 from autotune.ladder import ladder_cells, run_ladder
+from autotune.masking import mask_url, url_secrets
 from autotune.models import resolve_model
 from autotune.runner import SubprocessRunner
 from autotune.selector import select, selection_json
 from autotune.space import SearchSpace
-from autotune.storage import mask_url, open_storage
+from autotune.storage import open_storage
 from autotune.study import (
     DEFAULT_STORAGE,
+    GIVEN_OPTIONS,
     STRATEGIES,
     Objective,
     StudySettings,
@@ -59,15 +66,32 @@ from autotune.study import (
     settings_of,
     workdir_for,
 )
+from autotune.terminal import make_console, printable, shell_line
 from autotune.units import budget_label, format_size, parse_size
 from trials.spec import TrialResult
 
 #: Real CPU trials build the model in this machine's memory; beyond this they can't run here.
 MAX_CPU_TRIAL_PARAMS = 500_000_000
 
-# as wide as the terminal (rich reads it, or COLUMNS; 80 when neither is known)
-console = Console()
-err_console = Console(stderr=True)
+console = make_console()
+err_console = make_console(stderr=True)
+#: a study name is a folder name for its trial jobs (255 bytes at most) and Optuna keeps 512
+MAX_STUDY_NAME = 200
+#: numpy's and torch's seeds are 32-bit
+MAX_SEED = 2**32 - 1
+
+
+class FiniteFloat(click.FloatRange):
+    """A float option in a range that also refuses ``nan`` and ``inf`` (click lets them by)."""
+
+    name = "finite float"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        rv = super().convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return rv
+
 
 storage_option = click.option(
     "--storage",
@@ -79,14 +103,14 @@ storage_option = click.option(
 )
 trial_timeout_option = click.option(
     "--trial-timeout",
-    type=click.FloatRange(min=1.0),
+    type=FiniteFloat(min=1.0),
     default=600.0,
     show_default=True,
     help="Seconds before a trial job is killed and marked failed.",
 )
 timeout_option = click.option(
     "--timeout",
-    type=click.FloatRange(min=1.0),
+    type=FiniteFloat(min=1.0),
     default=None,
     help="Stop starting new trials after this many seconds.",
 )
@@ -150,12 +174,36 @@ def _optimize(
                 study.optimize(objective, n_trials=n_trials, timeout=timeout, catch=(TrialCrashed,))
         except KeyboardInterrupt:
             progress.stop()
-            err_console.print(
-                f"[yellow]interrupted[/yellow]; the running trial was stopped and marked failed. "
-                f"Resume with: autotune resume --study {study.study_name} "
-                f"--storage '{mask_url(storage_url)}'"
+            # plain echo, not rich: the command must stay one line, exactly as printed
+            click.echo(
+                "interrupted; the running trial was stopped and marked failed. Resume with"
+                f"{resume_hint(study.study_name, storage_url)}",
+                err=True,
             )
             sys.exit(130)
+
+
+def _study_args(study_name: str, storage_url: str) -> tuple[list[str], str]:
+    """The options that name the study and its storage in a command to paste, and a note. A
+    storage URL with a password (or one read from AUTOTUNE_STORAGE) is left out: the command
+    then reads it from AUTOTUNE_STORAGE, as the note says."""
+    parts = ["--study", study_name]
+    ctx = click.get_current_context(silent=True)
+    from_env = (
+        ctx is not None and ctx.get_parameter_source("storage") == ParameterSource.ENVIRONMENT
+    )
+    if url_secrets(storage_url) or from_env:
+        return parts, " (with AUTOTUNE_STORAGE set to the study's storage URL)"
+    if storage_url != DEFAULT_STORAGE:
+        parts += ["--storage", storage_url]
+    return parts, ""
+
+
+def resume_hint(study_name: str, storage_url: str, *extra: str) -> str:
+    """``: autotune resume ...``, one quoted command to paste (``_study_args`` names the
+    study and its storage)."""
+    where, note = _study_args(study_name, storage_url)
+    return f"{note}: {shell_line(['autotune', 'resume', *where, *extra])}"
 
 
 @contextlib.contextmanager
@@ -175,39 +223,64 @@ def _terminate_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _report(study: optuna.Study, storage_url: str, table: bool = True) -> None:
-    """The answer block, after the full trials table when ``table`` (``show``, ``--table``)."""
+def _report(
+    study: optuna.Study,
+    storage_url: str,
+    table: bool = True,
+    per_class: dict[str, ClassBest] | None = None,
+) -> None:
+    """The answer block, after the full trials table when ``table`` (``show``, ``--table``).
+    On the estimate backend the selector's winner is no answer: the best per fidelity class is
+    (``per_class``, as ``run`` scored the space; ``confirm_winner`` prints it)."""
     sel = select(study)
     settings = settings_of(study)
-    title = f"study {study.study_name}"
-    predicted_for = ""
+    title = f"study {escape(study.study_name)}"
+    counts = {k: sum(r.status == k for r in sel.rows) for k in ("ok", "oom", "failed")}
+    full_table = "(the full table: autotune show, or --table)"
+    commands = next_commands(study.study_name, storage_url)
     if settings.backend == "estimate":
-        predicted_for = gpu_spec(settings.target_gpu).name
-        title += f": predicted for {predicted_for}, not measured"
-    if table:
-        console.print(results_table(sel, title=title))
-        print_failures(console, sel.rows)
+        title += f": predicted for {gpu_spec(settings.target_gpu).name}, not measured"
+        if table:
+            console.print(results_table(sel, title))
+        else:
+            console.print(
+                f"{len(sel.rows)} configurations predicted: {counts['ok']} fit, "
+                f"{counts['oom']} over the budget {full_table}"
+            )
+        if per_class is not None:
+            confirm_winner(study, settings, console, per_class)
+        console.print(commands_grid(commands))
     else:
-        counts = {k: sum(r.status == k for r in sel.rows) for k in ("ok", "oom", "failed")}
-        console.print(
-            f"{len(sel.rows)} trials: {counts['ok']} ran, {counts['oom']} over the budget, "
-            f"{counts['failed']} failed (the full table: autotune show, or --table)"
-        )
-    print_answer(console, sel, _next_commands(study, storage_url), predicted_for)
-    console.print(f"stored in {mask_url(storage_url)} as study '{study.study_name}'")
+        if table:
+            console.print(results_table(sel, title))
+            print_failures(console, sel.rows)
+        else:
+            console.print(
+                f"{len(sel.rows)} trials: {counts['ok']} ran, {counts['oom']} over the budget, "
+                f"{counts['failed']} failed {full_table}"
+            )
+        print_answer(console, sel, commands)
+    console.print(
+        f"stored in {mask_url(storage_url)} as study '{study.study_name}'", markup=False
+    )
 
 
-def _next_commands(study: optuna.Study, storage_url: str) -> dict[str, str]:
-    """What to type next, for this study and storage (the password masked)."""
-    where = f" --study {shlex.quote(study.study_name)}"
-    if storage_url != DEFAULT_STORAGE:
-        where += f" --storage {shlex.quote(mask_url(storage_url))}"
-    return {
-        "export": f"autotune export{where} --format deepspeed --out ds_config.json"
-        " (or hf, accelerate, axolotl, command)",
-        "resume": f"autotune resume{where} --trials 12",
-        "report": f"autotune report{where} --out autotune_report",
+def next_commands(study_name: str, storage_url: str) -> dict[str, str]:
+    """What to type next: the export, resume and report commands, each one quoted command to
+    paste (as ``resume_hint``: a storage URL with a password is not printed; a ``storage`` line
+    then says to set AUTOTUNE_STORAGE), and the other export formats."""
+    where, note = _study_args(study_name, storage_url)
+    out = {
+        "export": shell_line(
+            ["autotune", "export", *where, "--format", "deepspeed", "--out", "ds_config.json"]
+        ),
+        "formats": "or --format " + ", ".join(f for f in EXPORTERS if f != "deepspeed"),
+        "resume": shell_line(["autotune", "resume", *where, "--trials", "12"]),
+        "report": shell_line(["autotune", "report", *where, "--out", "autotune_report"]),
     }
+    if note:
+        out["storage"] = "run them" + note
+    return out
 
 
 @main.command()
@@ -218,7 +291,8 @@ def _next_commands(study: optuna.Study, storage_url: str) -> dict[str, str]:
     "n_trials",
     type=click.IntRange(min=1),
     default=None,
-    help=f"Default 12 (--backend estimate: {ESTIMATE_TRIALS}).",
+    help="Default 12 (--backend estimate: every configuration is scored and the best of each "
+    "fidelity class recorded as a trial).",
 )
 @storage_option
 @click.option("--study-name", default=None, help="Default: <model>-<budget>-<backend>.")
@@ -240,7 +314,7 @@ def _next_commands(study: optuna.Study, storage_url: str) -> dict[str, str]:
 @click.option("--gpu", default=None, help="Target GPU of --backend estimate (default: by budget).")
 @click.option(
     "--loss-tolerance",
-    type=click.FloatRange(min=0.0),
+    type=FiniteFloat(min=0.0, max=10.0),
     default=0.02,
     show_default=True,
     help="Allowed relative loss regression of lossy techniques vs the reference.",
@@ -248,8 +322,8 @@ def _next_commands(study: optuna.Study, storage_url: str) -> dict[str, str]:
 @trial_timeout_option
 @timeout_option
 @click.option("--seq-len", type=click.IntRange(min=8), default=None)
-@click.option("--global-batch-size", type=click.IntRange(min=1), default=None)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--global-batch-size", type=click.IntRange(min=1, max=2**20), default=None)
+@click.option("--seed", type=click.IntRange(min=0, max=MAX_SEED), default=0, show_default=True)
 @click.option(
     "--strategy",
     type=click.Choice(sorted(STRATEGIES)),
@@ -264,16 +338,22 @@ def _next_commands(study: optuna.Study, storage_url: str) -> dict[str, str]:
 )
 @click.option(
     "--nproc",
-    type=click.IntRange(min=1),
+    type=click.IntRange(min=1, max=1024),
     default=None,
     help="CPU: run each trial as N processes (torchrun, gloo); the budget is per process.",
 )
 @click.option("--table", is_flag=True, help="Print every trial's row before the answer.")
 @click.option(
     "--gpus",
-    type=click.IntRange(min=1),
+    type=click.IntRange(min=1, max=1024),
     default=None,
     help="CUDA: run each trial on N GPUs (torchrun, nccl); the budget is per GPU.",
+)
+@click.option(
+    "--host-memory",
+    default=None,
+    help="Host RAM a trial may use, e.g. 128GB (default: this machine's memory; --backend "
+    "estimate: unlimited, always shown).",
 )
 def run(
     model: str,
@@ -295,10 +375,15 @@ def run(
     nproc: int | None,
     gpus: int | None,
     table: bool,
+    host_memory: str | None,
 ) -> None:
     """Run (or continue) a study of real training trials (or of predictions, without a GPU)."""
     budget_bytes = parse_size(budget)
+    if study_name is not None:
+        _check_study_name(study_name)
+    host_limit = parse_size(host_memory) if host_memory else None
     entry = resolve_model(model)
+    _check_seq_len(seq_len, entry.config, entry.name)
     space = SearchSpace.load(space_path)
     hardware = Hardware.detect(None if backend in ("auto", "estimate") else backend)
     if hardware.backend == "cuda" and not _cuda_available():
@@ -309,18 +394,18 @@ def run(
     ):
         gpu_target = target_gpu(gpu, budget_bytes)
         if backend == "auto":
-            console.print(f"[bold yellow]{banner(entry.name, entry.n_params, gpu_target)}[/]")
+            console.print(
+                f"[bold yellow]{escape(banner(entry.name, entry.n_params, gpu_target))}[/]"
+            )
         if space_path is None:
             space = estimate_space()
         hardware = hardware_for(gpu_target)
-        n_trials = n_trials or ESTIMATE_TRIALS
     elif hardware.backend == "cpu" and entry.n_params > MAX_CPU_TRIAL_PARAMS:
         raise UserError(
             f"{entry.name} has {entry.n_params / 1e9:.1f}B parameters: too big for real CPU "
             "trials on this machine; use a GPU (--backend cuda), --backend estimate, or a "
             "small model"
         )
-    n_trials = n_trials or 12
     ranks = _ranks(nproc, gpus, hardware) if gpu_target is None else 1
     gbs = global_batch_size or entry.global_batch_size
     resolved = space.resolve(gbs, hardware)
@@ -337,16 +422,35 @@ def run(
         loss_tolerance=loss_tolerance,
         seed=seed,
         nproc=ranks,
+        host_budget_bytes=host_limit or (0 if gpu_target else host_budget(None, "cpu") or 0),
     )
     name = study_name or settings.default_study_name()
-    study = create_or_load(open_storage(storage), name, settings)
+    _check_study_name(name)
+    ctx = click.get_current_context()
+    given = {
+        key
+        for key, option in (
+            ("loss_tolerance", "loss_tolerance"),
+            ("seed", "seed"),
+            ("target_gpu", "gpu"),
+        )
+        if ctx.get_parameter_source(option) not in (ParameterSource.DEFAULT, None)
+    }
+    assert given <= GIVEN_OPTIONS.keys()
+    study = create_or_load(open_storage(storage), name, settings, given)
     where = f"on {gpu_target.name}" if gpu_target else "here"
     for line in resolved.dropped:
-        console.print(f"[dim]unavailable {where}: {line}[/dim]")
+        console.print(f"unavailable {where}: {line}", style="dim", markup=False)
+    per_class = None
+    if gpu_target is not None:  # every configuration scored; each class's best is a trial
+        per_class, queued = queue_class_bests(study, console)
+        n_trials = max(n_trials or 0, queued)
+    n_trials = n_trials or 12
     console.print(
         f"study '{name}': {entry.name} ({entry.n_params / 1e6:,.1f}M params), budget "
         f"{format_size(budget_bytes)}, backend {settings.backend}, "
-        f"{len(study.trials)} trials so far, running {n_trials} more"
+        f"{len(study.trials)} trials so far, running {n_trials} more",
+        markup=False,
     )
     _optimize(
         study,
@@ -357,11 +461,34 @@ def run(
         storage,
         strategy=strategy,
     )
-    _report(study, storage, table=table)
-    if gpu_target is not None:
-        confirm_winner(study, settings_of(study), console)
+    _report(study, storage, table=table, per_class=per_class)
     if ladder:
         _climb(study, trial_timeout, storage)
+
+
+def _check_study_name(name: str) -> None:
+    if not name.strip():
+        raise UserError("--study-name is empty: give a name, or leave the option out")
+    if len(name) > MAX_STUDY_NAME:
+        raise UserError(
+            f"--study-name is {len(name)} characters long; use at most {MAX_STUDY_NAME}"
+        )
+    if not name.isprintable():
+        raise UserError(
+            f"--study-name {printable(name)!r} holds control characters (a newline?); "
+            "use printable characters"
+        )
+
+
+def _check_seq_len(seq_len: int | None, config: dict[str, Any], model: str) -> None:
+    """A sequence longer than the model's position table: transformers would index past it
+    (an error mid-trial on CUDA, garbage rotary positions for some models)."""
+    limit = config.get("max_position_embeddings") or config.get("n_positions")
+    if seq_len is not None and isinstance(limit, int) and 0 < limit < seq_len:
+        raise UserError(
+            f"--seq-len {seq_len} is longer than {model}'s max_position_embeddings ({limit}); "
+            f"use at most {limit}"
+        )
 
 
 def _climb(study: optuna.Study, trial_timeout: float, storage_url: str) -> None:
@@ -423,7 +550,9 @@ def resume(
     """Continue a study by name with its stored settings."""
     study = load_existing(open_storage(storage, must_exist=True), study_name)
     settings = settings_of(study)
-    console.print(f"resuming study '{study_name}': {len(study.trials)} trials so far")
+    console.print(
+        f"resuming study '{study_name}': {len(study.trials)} trials so far", markup=False
+    )
     if n_trials:
         _optimize(
             study,
@@ -468,7 +597,8 @@ def worker(
         )
     console.print(
         f"worker {os.getpid()} on study '{study_name}': {len(study.trials)} trials so far, "
-        f"running {n_trials}"
+        f"running {n_trials}",
+        markup=False,
     )
     _optimize(
         study,
@@ -488,9 +618,10 @@ def worker(
 @click.option("--json", "as_json", is_flag=True, help="Print the trials and winner as JSON.")
 def show(study_name: str | None, storage: str, as_json: bool) -> None:
     """Print the trials table and the winner from the database alone."""
-    study = load_existing(open_storage(storage, must_exist=True), study_name)
+    study = load_existing(open_storage(storage, read_only=True), study_name)
     if as_json:
-        click.echo(json.dumps(selection_json(study), indent=2))
+        # strict JSON: a non-finite number (an inf loss regression) is null, not Infinity
+        click.echo(json.dumps(_finite(selection_json(study)), indent=2, allow_nan=False))
         return
     _report(study, storage)
 
@@ -509,19 +640,20 @@ def report(study_name: str | None, storage: str, out: Path) -> None:
     """Write the Pareto plot, the memory breakdown and the ablation ladder (runs nothing)."""
     from autotune.report import write_report  # matplotlib: only for this command
 
-    study = load_existing(open_storage(storage, must_exist=True), study_name)
     if not out.parent.exists():
         raise UserError(f"cannot write {out}: folder {out.parent} does not exist")
-    written = write_report(study, out)
+    study = load_existing(open_storage(storage, read_only=True), study_name)
+    with _writing(out):
+        written = write_report(study, out)
     console.print(ladder_table(ladder_cells(written.ladder), written.ladder.budget_bytes))
     if not written.ladder.complete and written.ladder.target is not None:
-        console.print(
-            f"[yellow]{len(written.ladder.missing)} ladder configuration(s) not measured; "
-            f"run them with[/yellow] autotune resume --study {study.study_name} --trials 0 --ladder"
+        click.echo(
+            f"{len(written.ladder.missing)} ladder configuration(s) not measured; run them with"
+            f"{resume_hint(study.study_name, storage, '--trials', '0', '--ladder')}"
         )
     for path in (written.pareto_png, written.memory_png, written.markdown, written.html):
         if path is not None:
-            console.print(f"wrote {path}")
+            console.print(f"wrote {path}", markup=False)
 
 
 @main.command("export")
@@ -529,13 +661,32 @@ def report(study_name: str | None, storage: str, out: Path) -> None:
 @storage_option
 @click.option("--format", "fmt", required=True, help=f"One of: {', '.join(EXPORTERS)}.")
 @click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path))
-def export_cmd(study_name: str | None, storage: str, fmt: str, out: Path) -> None:
-    """Write the winner as a DeepSpeed, Hugging Face or accelerate config."""
+@click.option(
+    "--lr",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="Learning rate to write (not tuned by the study; default: left to your trainer).",
+)
+@click.option(
+    "--weight-decay",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Weight decay to write (not tuned by the study; default: left to your trainer).",
+)
+def export_cmd(
+    study_name: str | None,
+    storage: str,
+    fmt: str,
+    out: Path,
+    lr: float | None,
+    weight_decay: float | None,
+) -> None:
+    """Write the winner as a DeepSpeed, Hugging Face, accelerate, axolotl config or a command."""
     if fmt not in EXPORTERS:
         raise UserError(f"unknown export format '{fmt}' (known: {', '.join(EXPORTERS)})")
     if not out.parent.is_dir():
         raise UserError(f"cannot write {out}: folder {out.parent} does not exist")
-    study = load_existing(open_storage(storage, must_exist=True), study_name)
+    study = load_existing(open_storage(storage, read_only=True), study_name)
     sel = select(study)
     if sel.winner is None:
         raise UserError(
@@ -543,11 +694,41 @@ def export_cmd(study_name: str | None, storage: str, fmt: str, out: Path) -> Non
             " yet: nothing to export"
         )
     settings = settings_of(study)
-    path = export(fmt, sel.winner.config, settings, out)
-    console.print(f"wrote {fmt} config of trial {sel.winner.number} to {path}")
+    with _writing(out):
+        path = export(fmt, sel.winner.config, settings, out, UserSettings(lr, weight_decay))
+    console.print(f"wrote {fmt} config of trial {sel.winner.number} to {path}", markup=False)
+    if settings.backend == "cpu":
+        console.print(measured_on(settings), style="yellow", markup=False)
     if settings.backend == "estimate":
         gpu = gpu_spec(settings.target_gpu).name
         console.print(f"[yellow]predicted for {gpu}, not measured[/yellow]: run it there first")
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every nan/inf float (at any depth) replaced by None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+#: the machine's fault, not the input's: exit code 1
+_ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS}
+
+
+@contextlib.contextmanager
+def _writing(out: Path) -> Iterator[None]:
+    """An OSError while writing ``out`` (or a file beside it) as one line."""
+    try:
+        yield
+    except OSError as exc:
+        where = exc.filename or out
+        if exc.errno in _ENVIRONMENT_ERRNOS:
+            raise EnvironmentFailure(f"cannot write {where}: {exc.strerror}") from None
+        raise UserError(f"cannot write {where}: {exc.strerror}; choose another --out") from None
 
 
 main.add_command(estimate_cmd)

@@ -66,6 +66,9 @@ def results_table(sel: Selection, title: str = "trials") -> Table:
     table.add_column("peak", justify="right")
     table.add_column("tok/s", justify="right")
     table.add_column("loss vs ref", justify="right")
+    host = any(r.host_peak_bytes for r in sel.rows)  # studies recorded before it have none
+    if host:
+        table.add_column("host", justify="right")
     for r in sel.rows:
         style = STATUS_STYLE.get(r.status, "")
         status = f"[{style}]{r.status}[/{style}]" if style else r.status
@@ -81,6 +84,7 @@ def results_table(sel: Selection, title: str = "trials") -> Table:
             _peak_cell(r),
             f"{r.tokens_per_s:,.0f}" if r.status == "ok" else "-",
             _loss_cell(r),
+            *([format_size(r.host_peak_bytes) if r.host_peak_bytes else "-"] if host else []),
         )
     return table
 
@@ -107,6 +111,7 @@ def print_selection(console: Console, sel: Selection, title: str = "trials") -> 
         console.print(
             f"[bold green]winner[/bold green]: trial {w.number}: {describe(w.config)}  "
             f"peak {format_size(w.peak_bytes)} of {budget}, {w.tokens_per_s:,.0f} tokens/s"
+            + (f", host {format_size(w.host_peak_bytes)}" if w.host_peak_bytes else "")
         )
     elif sel.closest is not None:
         c = sel.closest
@@ -188,23 +193,35 @@ def runners_up(sel: Selection) -> dict[str, Row]:
 
 
 def _memory_words(row: Row) -> str:
-    host = (row.memory_breakdown or {}).get("host_offloaded", 0)
+    """The device peak, then the host: the job's peak resident set (measured, or predicted on
+    the estimate backend) and what of it was offloaded."""
+    offloaded = int((row.memory_breakdown or {}).get("host_offloaded", 0))
     words = f"{format_size(row.peak_bytes)} GPU"
-    return words + (f" + {format_size(host)} host" if host else ", no host offload")
+    if row.host_peak_bytes:
+        words += f", host {format_size(row.host_peak_bytes)}"
+        return words + (f" ({format_size(offloaded)} offloaded)" if offloaded else ", no offload")
+    return words + (f" + {format_size(offloaded)} host" if offloaded else ", no host offload")
 
 
-def print_answer(
-    console: Console, sel: Selection, commands: dict[str, str], predicted_for: str = ""
-) -> None:
+def print_answer(console: Console, sel: Selection, commands: dict[str, str]) -> None:
     """The short answer ``run`` ends with: the winner, why, its memory, the runner-up of each
     fidelity class and what to type next; it wraps to the console's width."""
     if sel.winner is not None:
         w = sel.winner
-        tag = f" (predicted for {predicted_for}, not measured)" if predicted_for else ""
         console.print(
-            f"[bold green]winner[/bold green]: trial {w.number}: {escape(describe(w.config))}{tag}"
+            f"[bold green]winner[/bold green]: trial {w.number}: {escape(describe(w.config))}"
         )
     console.print(answer_grid(sel, commands))
+
+
+def commands_grid(commands: dict[str, str]) -> Table:
+    """What to type next, one labelled line each (the answer block's last rows)."""
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold", no_wrap=True)
+    grid.add_column(overflow="fold")
+    for label, command in commands.items():
+        grid.add_row(label, escape(command))
+    return grid
 
 
 def answer_grid(sel: Selection, commands: dict[str, str]) -> Table:

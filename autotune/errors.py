@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 import click
+
+from autotune.masking import mask_text
 
 
 class UserError(click.ClickException):
@@ -16,6 +19,19 @@ class UserError(click.ClickException):
     """
 
     exit_code = 2
+
+
+class EnvironmentFailure(click.ClickException):
+    """Not the input but the machine: a database server that is down, a full disk.
+
+    Exit code 1, like any other run that failed; still one line, never a traceback.
+    """
+
+    exit_code = 1
+
+
+#: errors of the machine, not of autotune: one line, exit code 1
+_ENVIRONMENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS}
 
 
 def _is_storage_error(exc: BaseException) -> bool:
@@ -46,19 +62,27 @@ class OneLineGroup(click.Group):
         try:
             code = super().main(args, prog_name, complete_var, False, **extra)
         except click.ClickException as exc:
-            message = " ".join(exc.format_message().split())
+            # every message passes the masking: a password it quotes is never printed
+            message = mask_text(" ".join(exc.format_message().split()))
             hint = " (see --help)" if isinstance(exc, click.UsageError) else ""
             click.echo(f"Error: {message}{hint}", err=True)
             sys.exit(exc.exit_code)
         except click.Abort:
             click.echo("Aborted!", err=True)
             sys.exit(1)
+        except BrokenPipeError:  # `autotune show | head`: the reader left; nothing to say
+            sys.stderr.close()
+            sys.exit(1)
+        except OSError as exc:
+            if exc.errno not in _ENVIRONMENT_ERRNOS:
+                raise
+            where = f" {exc.filename}" if exc.filename else ""
+            click.echo(f"Error: cannot write{where}: {exc.strerror}", err=True)
+            sys.exit(1)
         except Exception as exc:
             if not _is_storage_error(exc):
                 raise
-            from autotune.storage import mask_url
-
             lines = str(exc).strip().splitlines() or [type(exc).__name__]
-            click.echo(f"Error: the study's storage failed: {mask_url(lines[0])[:300]}", err=True)
+            click.echo(f"Error: the study's storage failed: {mask_text(lines[0])[:300]}", err=True)
             sys.exit(1)
         sys.exit(code if isinstance(code, int) else 0)

@@ -10,15 +10,16 @@ from typing import Any
 
 import click
 import optuna
-import yaml
 from rich.console import Console
 from rich.table import Table
 
 from autotune.errors import UserError
 from autotune.estimator.analytical import AnalyticalEstimator
 from autotune.estimator.base import PARTS, Estimate
+from autotune.estimator.exhaustive import ClassBest, best_per_class, headline, score
 from autotune.estimator.gpus import GPUS, GpuSpec, default_gpu, gpu_spec
 from autotune.estimator.runner import EstimateRunner, PrescreenRunner
+from autotune.estimator.speed import MODEL_ERROR
 from autotune.estimator.traced import TracedEstimator
 from autotune.hardware import Hardware
 from autotune.models import resolve_model
@@ -26,10 +27,9 @@ from autotune.runner import TrialRunner
 from autotune.space import SearchSpace
 from autotune.study import StudySettings
 from autotune.units import format_size, parse_size
+from autotune.yaml_limits import load_yaml, parse_yaml
 
 ESTIMATE_SPACE = "estimate.yaml"
-#: trials of an estimate study: each is instant, so many more than real ones
-ESTIMATE_TRIALS = 60
 PRESCREEN_MARGIN = 0.25
 
 
@@ -52,7 +52,7 @@ def estimate_space() -> SearchSpace:
     from importlib import resources
 
     text = resources.files("search_spaces").joinpath(ESTIMATE_SPACE).read_text()
-    return SearchSpace.from_dict(yaml.safe_load(text), ESTIMATE_SPACE)
+    return SearchSpace.from_dict(parse_yaml(text, ESTIMATE_SPACE), ESTIMATE_SPACE)
 
 
 def runner_for(settings: StudySettings, real: TrialRunner) -> TrialRunner:
@@ -87,51 +87,139 @@ def breakdown_table(rows: list[tuple[str, Estimate]], budget: int, title: str) -
         "fits", *[("yes" if e.peak_bytes <= budget else "[red]no[/red]") for _, e in rows]
     )
     table.add_row("tokens/s", *[f"{e.tokens_per_s:,.0f}" for _, e in rows])
+    for part in HOST_PARTS:
+        table.add_row(
+            f"host: {part}", *[format_size(e.host_breakdown.get(part, 0)) for _, e in rows]
+        )
+    table.add_row("host memory", *[format_size(e.host_bytes) for _, e in rows])
     return table
 
 
-def confirm_winner(study: optuna.Study, settings: StudySettings, console: Console) -> None:
-    """After an estimate study: the winner's traced breakdown next to the analytical one."""
-    from autotune.display import describe
-    from autotune.selector import select
+#: the parts of the host memory prediction, as ``states.model_states`` names them
+HOST_PARTS = ("offloaded states", "model copy at load", "pinned buffers and slack")
 
-    sel = select(study)
-    if sel.winner is None:
-        return
+
+def host_budget(value: str | None, backend: str) -> int | None:
+    """``--host-memory``: a size; default on trial backends what this machine has, on the
+    estimate backend unlimited (None)."""
+    if value:
+        return parse_size(value)
+    if backend == "estimate":
+        return None
+    return machine_memory()
+
+
+def machine_memory() -> int:
+    """Physical memory of this machine in bytes."""
+    import os
+
+    return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+
+
+def class_lines(per_class: dict[str, ClassBest], budget: int) -> list[str]:
+    """One line per fidelity class: its best configuration, memory, speed, and its ties."""
+    from autotune.display import describe
+
+    lines = []
+    for cls, cb in per_class.items():
+        e = cb.best.estimate
+        tie = f" (+{len(cb.ties)} within {MODEL_ERROR:.0%}: a tie)" if cb.ties else ""
+        lines.append(
+            f"  {cls:<15} {describe(cb.best.config)}: peak {format_size(e.peak_bytes)} of "
+            f"{format_size(budget)}, host {format_size(e.host_bytes)}, "
+            f"{e.tokens_per_s:,.0f} tokens/s{tie}"
+        )
+    return lines
+
+
+def class_scores(settings: StudySettings) -> dict[str, ClassBest]:
+    """Every configuration of the study's space scored; the best of each fidelity class."""
+    space = SearchSpace.from_dict(settings.space, "study")
+    scored = score(
+        settings.model_config,
+        space.grid(),
+        seq_len=settings.seq_len,
+        global_batch_size=settings.global_batch_size,
+        nproc=settings.nproc,
+        gpu=gpu_spec(settings.target_gpu),
+        budget_bytes=settings.budget_bytes,
+        host_budget_bytes=settings.host_budget_bytes or None,
+    )
+    return best_per_class(scored)
+
+
+def queue_class_bests(study: optuna.Study, console: Console) -> tuple[dict[str, ClassBest], int]:
+    """Score the whole space and queue each class's best (not yet in the study) as a trial, so
+    that ``show``, ``report`` and ``export`` see them; returns the classes and how many."""
+    import time
+
+    from autotune.study import settings_of
+
+    t0 = time.perf_counter()
+    settings = settings_of(study)
+    per_class = class_scores(settings)
+    space = SearchSpace.from_dict(settings.space, "study")
+    done = [t.user_attrs.get("config") for t in study.get_trials(deepcopy=False)]
+    queued = 0
+    for cb in per_class.values():
+        if cb.best.config not in done:
+            study.enqueue_trial(space.params_for(cb.best.config), user_attrs={"role": "class-best"})
+            queued += 1
+    n = len(space.grid())
+    console.print(
+        f"every configuration of the space scored ({n:,}, {time.perf_counter() - t0:.1f} s): "
+        f"the best of each of {len(per_class)} fidelity classes is recorded"
+    )
+    return per_class, queued
+
+
+def confirm_winner(
+    study: optuna.Study,
+    settings: StudySettings,
+    console: Console,
+    per_class: dict[str, ClassBest],
+) -> None:
+    """After an estimate study: the best per fidelity class, and the answer - the best full
+    training (exact or mixed precision) - with its traced breakdown next to the analytical one."""
+    from autotune.display import describe
+
     gpu = gpu_spec(settings.target_gpu)
+    budget = settings.budget_bytes
+    console.print(f"best per fidelity class (speeds within {MODEL_ERROR:.0%} are ties):")
+    for line in class_lines(per_class, budget):
+        console.print(line)
+    head = headline(per_class)
+    if head is None:
+        console.print("[yellow]no full-training (exact or mixed) configuration fits[/yellow]")
+        return
     kw: dict[str, Any] = {
         "seq_len": settings.seq_len,
         "global_batch_size": settings.global_batch_size,
         "nproc": settings.nproc,
         "gpu": gpu,
     }
-    config = sel.winner.config
-    an = AnalyticalEstimator().estimate(settings.model_config, config, **kw)
+    config = head.best.config
+    an = head.best.estimate
     tr = TracedEstimator().estimate(settings.model_config, config, **kw)
+    console.print(breakdown_table([("analytical", an), ("traced", tr)], budget, head.cls))
     console.print(
-        breakdown_table(
-            [("analytical", an), ("traced", tr)],
-            settings.budget_bytes,
-            f"trial {sel.winner.number}",
+        f"[bold green]predicted best for {gpu.name}[/bold green] (full training, {head.cls}): "
+        f"{describe(config)}: peak {format_size(tr.peak_bytes)} (traced; analytical "
+        f"{format_size(an.peak_bytes)}) of {format_size(budget)}, host memory "
+        f"{format_size(an.host_bytes)}, {an.tokens_per_s:,.0f} tokens/s"
+    )
+    if "adapters" in per_class:
+        a = per_class["adapters"].best
+        console.print(
+            f"adapters (a different training problem: frozen base weights): {describe(a.config)}:"
+            f" peak {format_size(a.estimate.peak_bytes)}, {a.estimate.tokens_per_s:,.0f} tokens/s"
         )
-    )
-    console.print(
-        f"[bold green]predicted best for {gpu.name}[/bold green]: {describe(config)}: "
-        f"peak {format_size(tr.peak_bytes)} (traced; analytical {format_size(an.peak_bytes)}) "
-        f"of {format_size(settings.budget_bytes)}, {tr.tokens_per_s:,.0f} tokens/s"
-    )
     for note in tr.notes:
         console.print(f"[dim]{note}[/dim]")
 
 
 def _load_config(path: str) -> dict[str, Any]:
-    p = Path(path)
-    if not p.is_file():
-        raise UserError(f"config file not found: {path}")
-    try:
-        data = yaml.safe_load(p.read_text())
-    except yaml.YAMLError:
-        raise UserError(f"config file {path} is not valid YAML/JSON") from None
+    data = load_yaml(Path(path), "config")
     if not isinstance(data, dict):
         raise UserError(f"config file {path} must be a mapping of dimension: choice")
     if isinstance(data.get("config"), dict):  # a trial exported by `autotune show --json`
@@ -149,7 +237,17 @@ def _load_config(path: str) -> dict[str, Any]:
 @click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True)
 @click.option("--seq-len", type=click.IntRange(min=8), default=None)
 @click.option("--global-batch-size", type=click.IntRange(min=1), default=None)
-@click.option("--top", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option(
+    "--host-memory",
+    default=None,
+    help="Host RAM per machine the configuration may use (default: unlimited, always shown).",
+)
+@click.option(
+    "--trace/--no-trace",
+    default=False,
+    show_default=True,
+    help="Also trace the answer on fake tensors (about 10 s for a 7B model, cached).",
+)
 def estimate_cmd(
     model: str,
     budget: str,
@@ -158,13 +256,18 @@ def estimate_cmd(
     nproc: int,
     seq_len: int | None,
     global_batch_size: int | None,
-    top: int,
+    host_memory: str | None,
+    trace: bool,
 ) -> None:
-    """Predict peak memory and speed: one configuration, or the best few that fit."""
+    """Predict peak memory, host memory and speed: one configuration, or the best of each
+    fidelity class over every configuration of the space."""
+    import time
+
     from autotune.display import describe
 
     console = Console(width=110)
     budget_bytes = parse_size(budget)
+    host_bytes = host_budget(host_memory, "estimate")
     entry = resolve_model(model)
     spec = target_gpu(gpu, budget_bytes)
     kw: dict[str, Any] = {
@@ -189,28 +292,40 @@ def estimate_cmd(
         for note in rows[1][1].notes:
             console.print(f"[dim]{note}[/dim]")
         return
-    space = estimate_space().resolve(kw["global_batch_size"], hardware_for(spec, nproc))
-    scored = []
-    for config in space.grid():
-        est = analytical.estimate(entry.config, config, **kw)
-        if est.peak_bytes <= budget_bytes:
-            scored.append((est.tokens_per_s, est.peak_bytes, config))
-    console.print(
-        f"{entry.name} on {spec.name} x{nproc}, budget {format_size(budget_bytes)}: "
-        f"{len(scored)} of {len(space.grid())} configurations predicted to fit (analytical)"
+    t0 = time.perf_counter()
+    configs = estimate_space().resolve(kw["global_batch_size"], hardware_for(spec, nproc)).grid()
+    scored = score(
+        entry.config, configs, budget_bytes=budget_bytes, host_budget_bytes=host_bytes, **kw
     )
-    if not scored:
+    fitting = sum(s.fits for s in scored)
+    host_label = format_size(host_bytes) if host_bytes is not None else "unlimited"
+    console.print(
+        f"{entry.name} on {spec.name} x{nproc}, budget {format_size(budget_bytes)}, host memory "
+        f"{host_label}: {fitting} of {len(scored)} configurations predicted to fit (every "
+        f"configuration scored, analytical, {time.perf_counter() - t0:.1f} s)"
+    )
+    if not fitting:
         raise UserError(f"no configuration of {entry.name} is predicted to fit {budget}")
-    scored.sort(key=lambda x: (-x[0], x[1]))
-    # configurations the model can't tell apart (e.g. two kernels keeping the same tensors)
-    # are shown once: the first in the space's order
-    distinct: dict[tuple[int, int], dict[str, Any]] = {}
-    for tps, peak, config in scored:
-        distinct.setdefault((round(tps), peak), config)
+    per_class = best_per_class(scored)
+    console.print(f"best per fidelity class (speeds within {MODEL_ERROR:.0%} are ties):")
+    for line in class_lines(per_class, budget_bytes):
+        console.print(line)
+    head = headline(per_class)
     rows = []
-    for i, config in enumerate(list(distinct.values())[:top], 1):
-        est = traced.estimate(entry.config, config, **kw)
-        rows.append((f"#{i}", est))
-        console.print(f"#{i}: {describe(config)}")
-    console.print(breakdown_table(rows, budget_bytes, f"predicted for {spec.name} (traced)"))
-    console.print(json.dumps(next(iter(distinct.values()))))
+    if head is not None:
+        if trace:
+            rows.append(
+                (f"{head.cls} (traced)", traced.estimate(entry.config, head.best.config, **kw))
+            )
+        rows.append((f"{head.cls} (analytical)", head.best.estimate))
+        console.print(
+            f"[bold green]predicted best full training ({head.cls})[/bold green]: "
+            f"{describe(head.best.config)}"
+        )
+    if "adapters" in per_class:
+        rows.append(("adapters", per_class["adapters"].best.estimate))
+    console.print(breakdown_table(rows, budget_bytes, f"predicted for {spec.name}"))
+    if head is not None:
+        for note in rows[0][1].notes:
+            console.print(f"[dim]{note}[/dim]")
+        console.print(json.dumps(head.best.config))

@@ -1,6 +1,18 @@
 """The winner, written as configs people already train with.
 
-One table of exporters; each turns (trial config, study settings) into a file's content.
+One table of exporters; each turns (trial config, study settings, the user's own settings) into a
+file's content. An export says what the study decided and nothing else:
+
+* tuned choices (micro-batch and accumulation, precision, checkpointing, optimizer, ZeRO stage,
+  offload, buckets, attention kernel) are written as values;
+* the trial's training semantics that the measurement depends on are reproduced: no gradient
+  clipping (``max_grad_norm: 0`` and ``gradient_clipping: 0``), dynamic fp16 loss scaling;
+* what the study did not tune (learning rate, schedule, weight decay, output dir) is left to the
+  consumer's defaults (``"auto"`` in DeepSpeed JSON, absent from ``TrainingArguments``) unless the
+  user gives it (``autotune export --lr``), never the trial's internal values;
+* every export writes ``<stem>.autotune.json`` beside it: where it was measured, the model's
+  keyword arguments (``attn_implementation``, which ``TrainingArguments`` cannot carry) and the
+  batch shape, for a training script to read.
 """
 
 from __future__ import annotations
@@ -16,8 +28,24 @@ import yaml
 
 from autotune.errors import UserError
 from autotune.study import StudySettings
+from autotune.terminal import printable
 from trials import zero
-from trials.techniques import OPTIMIZERS
+from trials.techniques import ATTENTION, OPTIMIZERS
+
+
+@dataclass(frozen=True)
+class UserSettings:
+    """Training settings the study did not search, given by the user (``autotune export
+    --lr/--weight-decay``); ``None`` leaves each to the consumer's default."""
+
+    lr: float | None = None
+    weight_decay: float | None = None
+
+
+#: what no export invents (the consumer's default, or the user's flag where one exists)
+NOT_TUNED = ("learning_rate", "lr_scheduler", "weight_decay", "output_dir", "max_steps")
+#: the trials do not clip gradients; 0 disables clipping in TrainingArguments and DeepSpeed alike
+NO_CLIPPING = 0.0
 
 
 def _micro_and_accum(config: dict[str, Any], settings: StudySettings) -> tuple[int, int]:
@@ -26,75 +54,158 @@ def _micro_and_accum(config: dict[str, Any], settings: StudySettings) -> tuple[i
     return micro, max(1, per_rank_global // micro)
 
 
-def deepspeed_config(config: dict[str, Any], settings: StudySettings) -> dict[str, Any]:
-    """The DeepSpeed JSON the trial ran with: the trial job builds it with the same function."""
+def _device(settings: StudySettings) -> str:
+    """Where the configuration is meant to run: ``--backend estimate`` predicts for a GPU."""
+    return "cpu" if settings.backend == "cpu" else "cuda"
+
+
+def measured_on(settings: StudySettings) -> str:
+    """One line saying where the winner's numbers come from."""
+    if settings.backend == "cpu":
+        return (
+            "measured on CPU (autotune --backend cpu): the fastest configuration on this CPU; "
+            "on a GPU, run a study with --backend cuda before relying on it"
+        )
+    if settings.backend == "estimate":
+        return f"predicted for GPU {settings.target_gpu or '?'} (--backend estimate), not measured"
+    return "measured on CUDA GPU (autotune --backend cuda)"
+
+
+def every_n_layers(config: dict[str, Any]) -> int | None:
+    """Checkpointing as transformers' ``every_n_layers`` (None: off), as the trial applied it."""
+    ckpt = str(config.get("gradient_checkpointing", "off"))
+    if ckpt == "off":
+        return None
+    return 1 if ckpt == "full" else int(config.get("checkpoint_every", 2))
+
+
+def deepspeed_config(
+    config: dict[str, Any], settings: StudySettings, user: UserSettings = UserSettings()
+) -> dict[str, Any]:
+    """The DeepSpeed JSON the trial ran with (the trial job builds it with the same function),
+    with the optimizer hyperparameters the study did not tune handed back to the user: ``"auto"``
+    (the Trainer or accelerate fills them from the user's settings) or the user's flags; betas
+    and eps are left out, so AdamW's defaults apply (the trial's, torch's and the Trainer's)."""
     micro, accum = _micro_and_accum(config, settings)
-    return zero.deepspeed_config(
+    ds = zero.deepspeed_config(
         config,
         micro,
         accum,
         str(config.get("precision", "fp32")),
         settings.nproc,
         settings.lr,
-        "cpu" if settings.backend == "cpu" else "cuda",
+        _device(settings),
     )
+    if "optimizer" in ds:
+        params = ds["optimizer"]["params"]
+        for key in ("betas", "eps"):
+            params.pop(key)
+        params["lr"] = "auto" if user.lr is None else user.lr
+        params["weight_decay"] = "auto" if user.weight_decay is None else user.weight_decay
+    return ds
 
 
 def hf_training_arguments(
-    config: dict[str, Any], settings: StudySettings, deepspeed_path: str | None = None
+    config: dict[str, Any],
+    settings: StudySettings,
+    deepspeed_path: str | None = None,
+    user: UserSettings = UserSettings(),
 ) -> dict[str, Any]:
-    """Keyword arguments for ``transformers.TrainingArguments(**d)``."""
+    """Keyword arguments for ``transformers.TrainingArguments(**d)`` (no ``output_dir``: the
+    user's; the attention kernel is in the companion file)."""
     micro, accum = _micro_and_accum(config, settings)
     precision = config.get("precision", "fp32")
-    ckpt = config.get("gradient_checkpointing", "off")
     args: dict[str, Any] = {
-        "output_dir": "output",
         "per_device_train_batch_size": micro,
         "gradient_accumulation_steps": accum,
-        "gradient_checkpointing": ckpt != "off",
         "bf16": precision == "bf16",
         "fp16": precision == "fp16",
         "optim": OPTIMIZERS[config.get("optimizer", "adamw")].hf_name,
-        "learning_rate": settings.lr,
-        "weight_decay": 0.0,
+        "max_grad_norm": NO_CLIPPING,
     }
-    if ckpt != "off":
-        args["gradient_checkpointing_kwargs"] = {"use_reentrant": False}
+    every = every_n_layers(config)
+    if every is not None:  # the trial's checkpointing, every layer or every k-th
+        args["activation_checkpointing"] = True
+        args["activation_checkpointing_kwargs"] = {"use_reentrant": False, "every_n_layers": every}
+    if _device(settings) == "cpu":
+        args["use_cpu"] = True  # what was measured; a GPU study's export has no such key
+    if user.lr is not None:
+        args["learning_rate"] = user.lr
+    if user.weight_decay is not None:
+        args["weight_decay"] = user.weight_decay
     if deepspeed_path is not None:
         args["deepspeed"] = deepspeed_path
     return args
 
 
-def accelerate_config(config: dict[str, Any], settings: StudySettings) -> dict[str, Any]:
-    """An ``accelerate`` config file (``accelerate launch --config_file``)."""
+def accelerate_config(
+    config: dict[str, Any], settings: StudySettings, deepspeed_path: str | None = None
+) -> dict[str, Any]:
+    """An ``accelerate`` config file (``accelerate launch --config_file``). For a ZeRO trial it
+    names the DeepSpeed JSON (``deepspeed_config_file``), which carries precision, batch shape,
+    clipping and the optimizer; accelerate reads those from it."""
     precision = config.get("precision", "fp32")
-    _, accum = _micro_and_accum(config, settings)
+    multi = "MULTI_CPU" if _device(settings) == "cpu" else "MULTI_GPU"
     cfg: dict[str, Any] = {
         "compute_environment": "LOCAL_MACHINE",
-        "distributed_type": "NO" if settings.nproc == 1 else "MULTI_GPU",
+        "distributed_type": "NO" if settings.nproc == 1 else multi,
         "mixed_precision": {"fp32": "no"}.get(precision, precision),
         "num_machines": 1,
         "num_processes": settings.nproc,
         "machine_rank": 0,
         "main_training_function": "main",
-        "use_cpu": settings.backend == "cpu",
+        "use_cpu": _device(settings) == "cpu",
     }
-    # accelerate's config file has no top-level accumulation key (its loader rejects one): the
-    # steps go to the training script (`autotune export --format command`), or to DeepSpeed
-    if int(config.get("zero_stage", 0)) > 0:
+    if deepspeed_path is not None:
+        # accelerate refuses a mixed_precision key beside a DeepSpeed file (the file says it)
+        del cfg["mixed_precision"]
         cfg["distributed_type"] = "DEEPSPEED"
         cfg["deepspeed_config"] = {
-            "gradient_accumulation_steps": accum,
-            "zero_stage": int(config["zero_stage"]),
-            "offload_optimizer_device": config.get("offload_optimizer", "none"),
-            "offload_param_device": config.get("offload_param", "none"),
+            "deepspeed_config_file": deepspeed_path,
+            "zero3_init_flag": False,
         }
     return cfg
 
 
+def companion(
+    config: dict[str, Any], settings: StudySettings, deepspeed_path: str | None
+) -> dict[str, Any]:
+    """``<stem>.autotune.json``: what a training script needs that the config files cannot say
+    (with a DeepSpeed file, the batch shape is DeepSpeed's: accelerate refuses it twice)."""
+    micro, accum = _micro_and_accum(config, settings)
+    return {
+        "deepspeed_config": deepspeed_path,
+        "measured_on": _device(settings) if settings.backend != "estimate" else "estimate",
+        "note": measured_on(settings),
+        # keyword arguments of AutoModelForCausalLM.from_pretrained / from_config
+        "model_kwargs": {"attn_implementation": ATTENTION[str(config.get("attention", "sdpa"))]},
+        "micro_batch_size": micro,
+        "gradient_accumulation_steps": accum,
+        "processes": settings.nproc,
+        "checkpoint_every_n_layers": every_n_layers(config),
+        "max_grad_norm": None,  # the trials do not clip gradients
+        "not_tuned": list(NOT_TUNED),
+        "model": settings.model,
+        "seq_len": settings.seq_len,
+    }
+
+
+def _header(config: dict[str, Any], settings: StudySettings, out: Path) -> str:
+    """Comment lines for the formats that have comments (YAML, shell)."""
+    attention = ATTENTION[str(config.get("attention", "sdpa"))]
+    return (
+        # the model name is a user's file name: on one line, so it stays inside the comment
+        f"# autotune winner for {printable(settings.model)} within {settings.budget_label}: "
+        f"{measured_on(settings)}\n"
+        f"# model: attn_implementation={attention} (from_pretrained/from_config keyword; "
+        f"also in {printable(str(_companion_path(out)))})\n"
+        f"# not tuned, left to your defaults: {', '.join(NOT_TUNED)}\n"
+    )
+
+
 @dataclass(frozen=True)
 class Exporter:
-    render: Callable[[dict[str, Any], StudySettings, Path], str]
+    render: Callable[[dict[str, Any], StudySettings, Path, UserSettings], str]
     suffix: str
 
 
@@ -102,22 +213,48 @@ def _json(d: dict[str, Any]) -> str:
     return json.dumps(d, indent=2, sort_keys=True) + "\n"
 
 
-def _render_hf(config: dict[str, Any], settings: StudySettings, out: Path) -> str:
-    ds_path = None
-    if int(config.get("zero_stage", 0)) > 0:  # TrainingArguments points at the DeepSpeed file
-        ds_file = out.with_name(out.stem + ".deepspeed.json")
-        ds_file.write_text(_json(deepspeed_config(config, settings)))
-        ds_path = str(ds_file)
-    return _json(hf_training_arguments(config, settings, ds_path))
+def _companion_path(out: Path) -> Path:
+    return out.with_name(out.stem + ".autotune.json")
 
 
-def _side_deepspeed(config: dict[str, Any], settings: StudySettings, out: Path) -> str | None:
+def _side_deepspeed(
+    config: dict[str, Any], settings: StudySettings, out: Path, user: UserSettings
+) -> str | None:
     """For a ZeRO trial, write its DeepSpeed JSON next to ``out`` and return the path."""
-    if int(config.get("zero_stage", 0)) == 0:
+    if not zero.uses_deepspeed(config):
         return None
     ds_file = out.with_name(out.stem + ".deepspeed.json")
-    ds_file.write_text(_json(deepspeed_config(config, settings)))
+    ds_file.write_text(_json(deepspeed_config(config, settings, user)))
     return str(ds_file)
+
+
+def _render_deepspeed(
+    config: dict[str, Any], settings: StudySettings, out: Path, user: UserSettings
+) -> str:
+    return _json(deepspeed_config(config, settings, user))
+
+
+def _render_hf(
+    config: dict[str, Any], settings: StudySettings, out: Path, user: UserSettings
+) -> str:
+    ds_path = _side_deepspeed(config, settings, out, user)  # TrainingArguments points at it
+    return _json(hf_training_arguments(config, settings, ds_path, user))
+
+
+def _render_accelerate(
+    config: dict[str, Any], settings: StudySettings, out: Path, user: UserSettings
+) -> str:
+    micro, accum = _micro_and_accum(config, settings)
+    ds_path = _side_deepspeed(config, settings, out, user)
+    note = (
+        f"# batch: micro-batch {micro} x {accum} accumulation steps per process "
+        "(accelerate's file has no key for them: Accelerator(gradient_accumulation_steps=...)); "
+        "no gradient clipping\n"
+        if ds_path is None
+        else "# batch shape, precision, clipping and optimizer: in the DeepSpeed file it names\n"
+    )
+    cfg = accelerate_config(config, settings, ds_path)
+    return _header(config, settings, out) + note + yaml.safe_dump(cfg, sort_keys=False)
 
 
 AXOLOTL_LORA = {"lora_r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "lora_target_linear": True}
@@ -130,10 +267,14 @@ AXOLOTL_QUANTIZATION: dict[str, tuple[str | None, dict[str, bool]]] = {
 
 
 def axolotl_config(
-    config: dict[str, Any], settings: StudySettings, deepspeed_path: str | None = None
+    config: dict[str, Any],
+    settings: StudySettings,
+    deepspeed_path: str | None = None,
+    user: UserSettings = UserSettings(),
 ) -> dict[str, Any]:
-    """The training keys of an axolotl YAML config (merge into one that names the model
-    and the data). axolotl checkpoints every layer: selective checkpointing exports as full."""
+    """The training keys of an axolotl YAML config (merge into one that names the model, the
+    data and the learning rate, which axolotl requires). axolotl checkpoints every layer:
+    selective checkpointing exports as full. Validated by axolotl's ``validate_config``."""
     micro, accum = _micro_and_accum(config, settings)
     precision = config.get("precision", "fp32")
     attention = config.get("attention", "sdpa")
@@ -142,15 +283,18 @@ def axolotl_config(
         "sequence_len": settings.seq_len,
         "micro_batch_size": micro,
         "gradient_accumulation_steps": accum,
-        "gradient_checkpointing": config.get("gradient_checkpointing", "off") != "off",
-        "flash_attention": attention == "flash_attention_2",
-        "sdp_attention": attention == "sdpa",
+        "gradient_checkpointing": every_n_layers(config) is not None,
+        "attn_implementation": ATTENTION[str(attention)],  # axolotl >= 0.19's key
         "bf16": precision == "bf16",
         "fp16": precision == "fp16",
         **quantized,
         "optimizer": OPTIMIZERS[config.get("optimizer", "adamw")].hf_name,
-        "learning_rate": settings.lr,
+        "max_grad_norm": NO_CLIPPING,
     }
+    if user.lr is not None:
+        cfg["learning_rate"] = user.lr
+    if user.weight_decay is not None:
+        cfg["weight_decay"] = user.weight_decay
     if adapter is not None:  # the trial's LoRA recipe (trials/quantization.py)
         cfg |= {"adapter": adapter, **AXOLOTL_LORA}
     if deepspeed_path is not None:
@@ -158,9 +302,12 @@ def axolotl_config(
     return cfg
 
 
-def _render_axolotl(config: dict[str, Any], settings: StudySettings, out: Path) -> str:
-    ds_path = _side_deepspeed(config, settings, out)
-    return yaml.safe_dump(axolotl_config(config, settings, ds_path), sort_keys=False)
+def _render_axolotl(
+    config: dict[str, Any], settings: StudySettings, out: Path, user: UserSettings
+) -> str:
+    ds_path = _side_deepspeed(config, settings, out, user)
+    body = yaml.safe_dump(axolotl_config(config, settings, ds_path, user), sort_keys=False)
+    return _header(config, settings, out) + body
 
 
 def _flags(args: dict[str, Any]) -> list[str]:
@@ -178,12 +325,16 @@ def _flags(args: dict[str, Any]) -> list[str]:
 
 
 def launch_command(
-    config: dict[str, Any], settings: StudySettings, out: Path, script: str = "train.py"
+    config: dict[str, Any],
+    settings: StudySettings,
+    out: Path,
+    script: str = "train.py",
+    user: UserSettings = UserSettings(),
 ) -> list[str]:
     """A ready launch of a Hugging Face Trainer script with the winner's settings: through
     ``deepspeed`` for a ZeRO trial, else ``accelerate launch``; writes the config it names."""
-    ds_path = _side_deepspeed(config, settings, out)
-    train_args = _flags(hf_training_arguments(config, settings, ds_path))
+    ds_path = _side_deepspeed(config, settings, out, user)
+    train_args = _flags(hf_training_arguments(config, settings, ds_path, user))
     if ds_path is not None:
         return ["deepspeed", "--num_gpus", str(settings.nproc), script, *train_args]
     acc_file = out.with_name(out.stem + ".accelerate.yaml")
@@ -191,32 +342,45 @@ def launch_command(
     return ["accelerate", "launch", "--config_file", str(acc_file), script, *train_args]
 
 
-def _render_command(config: dict[str, Any], settings: StudySettings, out: Path) -> str:
-    command = " ".join(shlex.quote(part) for part in launch_command(config, settings, out))
+def _render_command(
+    config: dict[str, Any], settings: StudySettings, out: Path, user: UserSettings
+) -> str:
+    command = " ".join(
+        shlex.quote(part) for part in launch_command(config, settings, out, user=user)
+    )
     return (
         "#!/usr/bin/env bash\n"
-        f"# autotune winner for {settings.model} within {settings.budget_label}; "
-        "train.py: your Hugging Face Trainer script (HfArgumentParser reads these flags)\n"
+        + _header(config, settings, out)
+        + "# train.py: your Hugging Face Trainer script (HfArgumentParser reads these flags);"
+        " add your own (output dir, steps) after the command\n"
         f'{command} "$@"\n'
     )
 
 
 EXPORTERS: dict[str, Exporter] = {
-    "deepspeed": Exporter(lambda c, s, _: _json(deepspeed_config(c, s)), ".json"),
+    "deepspeed": Exporter(_render_deepspeed, ".json"),
     "hf": Exporter(_render_hf, ".json"),
-    "accelerate": Exporter(
-        lambda c, s, _: yaml.safe_dump(accelerate_config(c, s), sort_keys=False), ".yaml"
-    ),
+    "accelerate": Exporter(_render_accelerate, ".yaml"),
     "axolotl": Exporter(_render_axolotl, ".yaml"),
     "command": Exporter(_render_command, ".sh"),
 }
 
 
-def export(fmt: str, config: dict[str, Any], settings: StudySettings, out: Path) -> Path:
+def export(
+    fmt: str,
+    config: dict[str, Any],
+    settings: StudySettings,
+    out: Path,
+    user: UserSettings = UserSettings(),
+) -> Path:
+    """Write ``out`` (and the files it names, and ``<stem>.autotune.json``) for the winner."""
     if fmt not in EXPORTERS:
         raise UserError(f"unknown export format '{fmt}' (known: {', '.join(EXPORTERS)})")
     if not out.parent.exists():
         raise UserError(f"cannot write {out}: folder {out.parent} does not exist")
-    text = EXPORTERS[fmt].render(config, settings, out)
+    text = EXPORTERS[fmt].render(config, settings, out, user)
     out.write_text(text)
+    side = out.with_name(out.stem + ".deepspeed.json")
+    ds_path = str(out if fmt == "deepspeed" else side) if zero.uses_deepspeed(config) else None
+    _companion_path(out).write_text(_json(companion(config, settings, ds_path)))
     return out

@@ -1,14 +1,19 @@
 """The one registry of models: transformers configs as plain dicts, never downloaded.
 
-Full-size entries carry their published architecture numbers; the small ones share the LLaMA
-architecture so that a real CPU trial exercises the same code paths.
+Full-size entries carry the numbers of their published ``config.json`` (architecture keys only);
+the small ones share the LLaMA architecture so that a real CPU trial exercises the same code
+paths. Any other decoder that transformers builds as a causal LM from a config works too (a path
+to its ``config.json``): its parameter shapes come from the transformers model itself, built on
+the meta device (no memory, no weights), so counts are exactly what training would hold.
 """
 
 from __future__ import annotations
 
 import difflib
 import json
+import logging
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +41,11 @@ def _llama(
     heads: int,
     kv_heads: int | None = None,
     max_pos: int = 4096,
+    model_type: str = "llama",
     **extra: Any,
 ) -> dict[str, Any]:
     cfg: dict[str, Any] = {
-        "model_type": "llama",
+        "model_type": model_type,
         "vocab_size": vocab,
         "hidden_size": hidden,
         "intermediate_size": intermediate,
@@ -54,6 +60,20 @@ def _llama(
     cfg.update(extra)
     return cfg
 
+
+def _entry(name: str, cfg: dict[str, Any], description: str, seq: int = 2048) -> ModelEntry:
+    return ModelEntry(name, cfg, seq_len=seq, global_batch_size=32, description=description)
+
+
+LLAMA2_7B = _llama(32000, 4096, 11008, 32, 32)
+LLAMA2_13B = _llama(32000, 5120, 13824, 40, 40)
+LLAMA2_70B = _llama(32000, 8192, 28672, 80, 64, kv_heads=8)
+LLAMA3: dict[str, Any] = {
+    "rope_theta": 500000.0,
+    "max_pos": 8192,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+}
 
 REGISTRY: dict[str, ModelEntry] = {
     e.name: e
@@ -72,67 +92,356 @@ REGISTRY: dict[str, ModelEntry] = {
             global_batch_size=16,
             description="LLaMA architecture, ~58M parameters, for real CPU trials",
         ),
-        ModelEntry(
-            "llama-7b",
-            _llama(32000, 4096, 11008, 32, 32, max_pos=4096),
-            seq_len=2048,
-            global_batch_size=32,
-            description="Llama 2 7B (Touvron et al. 2023)",
+        # the short names are kept for existing studies: they are Llama 2
+        _entry("llama-7b", LLAMA2_7B, "Llama 2 7B (Touvron et al. 2023)"),
+        _entry("llama-13b", LLAMA2_13B, "Llama 2 13B"),
+        _entry("llama-70b", LLAMA2_70B, "Llama 2 70B (grouped-query attention, 8 KV heads)"),
+        _entry("llama-2-7b", LLAMA2_7B, "meta-llama/Llama-2-7b-hf"),
+        _entry("llama-2-13b", LLAMA2_13B, "meta-llama/Llama-2-13b-hf"),
+        _entry("llama-2-70b", LLAMA2_70B, "meta-llama/Llama-2-70b-hf"),
+        _entry(
+            "llama-3-8b",
+            _llama(128256, 4096, 14336, 32, 32, kv_heads=8, **LLAMA3),
+            "meta-llama/Meta-Llama-3-8B",
         ),
-        ModelEntry(
-            "llama-13b",
-            _llama(32000, 5120, 13824, 40, 40, max_pos=4096),
-            seq_len=2048,
-            global_batch_size=32,
-            description="Llama 2 13B",
+        _entry(
+            "llama-3-70b",
+            _llama(128256, 8192, 28672, 80, 64, kv_heads=8, **LLAMA3),
+            "meta-llama/Meta-Llama-3-70B",
         ),
-        ModelEntry(
-            "llama-70b",
-            _llama(32000, 8192, 28672, 80, 64, kv_heads=8, max_pos=4096),
-            seq_len=2048,
-            global_batch_size=32,
-            description="Llama 2 70B (grouped-query attention, 8 KV heads)",
-        ),
-        ModelEntry(
+        _entry(
             "mistral-7b",
+            _llama(
+                32000,
+                4096,
+                14336,
+                32,
+                32,
+                kv_heads=8,
+                max_pos=32768,
+                model_type="mistral",
+                sliding_window=4096,
+                rope_theta=10000.0,
+            ),
+            "mistralai/Mistral-7B-v0.1 (GQA, sliding window 4096)",
+        ),
+        _entry(
+            "qwen2.5-7b",
+            _llama(
+                152064,
+                3584,
+                18944,
+                28,
+                28,
+                kv_heads=4,
+                max_pos=131072,
+                model_type="qwen2",
+                rms_norm_eps=1e-6,
+                rope_theta=1000000.0,
+                bos_token_id=151643,
+                eos_token_id=151643,
+                use_sliding_window=False,
+            ),
+            "Qwen/Qwen2.5-7B (q/k/v biases)",
+        ),
+        _entry(
+            "qwen3-8b",
+            _llama(
+                151936,
+                4096,
+                12288,
+                36,
+                32,
+                kv_heads=8,
+                max_pos=40960,
+                model_type="qwen3",
+                head_dim=128,
+                rms_norm_eps=1e-6,
+                rope_theta=1000000.0,
+                bos_token_id=151643,
+                eos_token_id=151645,
+            ),
+            "Qwen/Qwen3-8B (q/k norms)",
+        ),
+        _entry(
+            "mixtral-8x7b",
+            _llama(
+                32000,
+                4096,
+                14336,
+                32,
+                32,
+                kv_heads=8,
+                max_pos=32768,
+                model_type="mixtral",
+                num_local_experts=8,
+                num_experts_per_tok=2,
+                rope_theta=1000000.0,
+            ),
+            "mistralai/Mixtral-8x7B-v0.1 (MoE: 8 experts, 2 per token)",
+        ),
+        _entry(
+            "gemma-2-9b",
             {
-                "model_type": "mistral",
-                "vocab_size": 32000,
-                "hidden_size": 4096,
+                "model_type": "gemma2",
+                "vocab_size": 256000,
+                "hidden_size": 3584,
                 "intermediate_size": 14336,
+                "num_hidden_layers": 42,
+                "num_attention_heads": 16,
+                "num_key_value_heads": 8,
+                "head_dim": 256,
+                "hidden_activation": "gelu_pytorch_tanh",
+                "query_pre_attn_scalar": 256,
+                "sliding_window": 4096,
+                "final_logit_softcapping": 30.0,
+                "attn_logit_softcapping": 50.0,
+                "max_position_embeddings": 8192,
+                "rms_norm_eps": 1e-6,
+                "tie_word_embeddings": True,
+                "use_cache": False,
+            },
+            "google/gemma-2-9b (tied embeddings, 256k vocabulary)",
+        ),
+        _entry(
+            "phi-3-mini",
+            _llama(
+                32064,
+                3072,
+                8192,
+                32,
+                32,
+                model_type="phi3",
+                bos_token_id=1,
+                eos_token_id=32000,
+                pad_token_id=32000,
+            ),
+            "microsoft/Phi-3-mini-4k-instruct (fused qkv and gate/up)",
+        ),
+        _entry(
+            "pythia-6.9b",
+            {
+                "model_type": "gpt_neox",
+                "vocab_size": 50432,
+                "hidden_size": 4096,
+                "intermediate_size": 16384,
                 "num_hidden_layers": 32,
                 "num_attention_heads": 32,
-                "num_key_value_heads": 8,
-                "max_position_embeddings": 32768,
-                "rms_norm_eps": 1e-5,
-                "sliding_window": 4096,
+                "rotary_pct": 0.25,
+                "max_position_embeddings": 2048,
                 "tie_word_embeddings": False,
                 "use_cache": False,
             },
-            seq_len=2048,
-            global_batch_size=32,
-            description="Mistral 7B v0.1 (GQA, sliding window 4096)",
+            "EleutherAI/pythia-6.9b (GPT-NeoX)",
+        ),
+        _entry(
+            "gpt2-xl",
+            {
+                "model_type": "gpt2",
+                "vocab_size": 50257,
+                "n_embd": 1600,
+                "n_layer": 48,
+                "n_head": 25,
+                "n_positions": 1024,
+                "use_cache": False,
+            },
+            "openai-community/gpt2-xl (1.5B, learned positions, tied embeddings)",
+            seq=1024,
         ),
     ]
 }
 
-_REQUIRED = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+#: sizes every decoder config must state, by their normalised transformers name
+SIZE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+#: further sizes checked when present
+OPTIONAL_SIZE_KEYS = ("intermediate_size", "num_key_value_heads", "head_dim", "n_inner")
+
+
+def _transformers_config(cfg: dict[str, Any], source: str) -> Any:
+    """The transformers config object, or one clear line on what is wrong with the dict."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = cfg.get("model_type")
+    if not isinstance(model_type, str):
+        raise UserError(f"{source} is not a causal-LM model config: missing model_type")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        close = difflib.get_close_matches(model_type, list(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES), 3)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise UserError(
+            f"{source}: model_type '{model_type}' is not a causal LM transformers can build{hint}"
+        )
+    from transformers import CONFIG_MAPPING
+
+    aliases = getattr(CONFIG_MAPPING[model_type], "attribute_map", {})  # name -> family's key
+    missing = [k for k in SIZE_KEYS if k not in cfg and aliases.get(k, k) not in cfg]
+    if missing:
+        raise UserError(f"{source} is not a causal-LM model config: missing {', '.join(missing)}")
+    for key in (*SIZE_KEYS, *OPTIONAL_SIZE_KEYS):
+        raw = aliases.get(key, key)
+        if raw not in cfg and key not in cfg:
+            continue
+        value = cfg.get(raw, cfg.get(key))
+        if value is None and key not in SIZE_KEYS:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise UserError(f"{source}: {key} must be a positive integer (got {value!r})")
+    args = {k: v for k, v in cfg.items() if k != "model_type"}
+    try:
+        config = AutoConfig.for_model(model_type, **args)
+    except Exception as exc:  # transformers' own validation: strict dataclass fields and more
+        text = " ".join(str(exc).split())
+        raise UserError(f"{source}: invalid {model_type} config: {text}"[:300]) from None
+    return config
+
+
+def validate_config(cfg: dict[str, Any], source: str = "model config") -> None:
+    """Raise ``UserError`` (one line) unless transformers builds a causal LM from ``cfg``."""
+    if not isinstance(cfg, dict):
+        raise UserError(f"{source} is not a causal-LM model config: not a JSON object")
+    model_stats(json.dumps(cfg, sort_keys=True), source)
+
+
+@dataclass(frozen=True)
+class ModelStats:
+    """What the estimators need of an architecture, read off the transformers model itself."""
+
+    n_params: int  # unique parameters (tied embeddings once)
+    shapes: tuple[tuple[int, ...], ...]  # every unique parameter's shape
+    largest_module_params: int  # DeepSpeed's "largest layer": most direct params of one module
+    largest_param: int  # the biggest single tensor (the optimizer's foreach temporaries)
+    layer_params: int  # one decoder layer, all of it
+    layer_matrix_params: int  # one decoder layer's 2-D (linear) weights, experts excluded
+    expert_params: int  # one decoder layer's expert weights (0 for a dense model)
+    experts: int  # experts per MoE layer (0: dense)
+    top_k: int  # experts each token passes through
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int  # MLP width a token passes through (per expert for MoE)
+    vocab: int
+    gated_mlp: bool  # SwiGLU-style gate and up projections (3 matrices), else 2
+    tied: bool
+    model_type: str
+    hidden_act: str = "silu"
+    resid_dropout: float = 0.0  # dropout on each residual branch (GPT-2's resid_pdrop)
+    embd_dropout: float = 0.0
+    attn_dropout: float = 0.0
+
+    @property
+    def active_params(self) -> int:
+        """Parameters each token multiplies with (all but the unused experts)."""
+        if not self.experts:
+            return self.n_params
+        unused = self.expert_params * (self.experts - self.top_k) // self.experts
+        return self.n_params - self.layers * unused
+
+
+@lru_cache(maxsize=64)
+def model_stats(cfg_json: str, source: str = "model config") -> ModelStats:
+    """Build the model on the meta device (free) and read its parameter shapes."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cfg = json.loads(cfg_json)
+    config = _transformers_config(cfg, source)
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as exc:  # a config transformers accepts but cannot build
+        raise UserError(f"{source}: transformers cannot build it: {exc}".splitlines()[0]) from None
+    params = list(model.parameters())  # unique: tied weights appear once
+    layer_list = next(
+        (
+            m
+            for m in model.modules()
+            if isinstance(m, torch.nn.ModuleList) and len(m) == config.num_hidden_layers
+        ),
+        None,
+    )
+    if layer_list is None:
+        raise UserError(f"{source}: no stack of {config.num_hidden_layers} decoder layers found")
+    layer = layer_list[0]
+    experts = int(getattr(config, "num_local_experts", 0) or getattr(config, "num_experts", 0) or 0)
+    expert_params = sum(
+        p.numel() for n, p in layer.named_parameters() if ".experts." in f".{n}" and experts
+    )
+    matrix = sum(
+        p.numel()
+        for n, p in layer.named_parameters()
+        if p.dim() == 2 and not (experts and ".experts." in f".{n}")
+    )
+    names = " ".join(n for n, _ in layer.named_parameters())
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    h = int(config.hidden_size)
+    heads = int(config.num_attention_heads)
+    inter = (
+        (getattr(config, "moe_intermediate_size", None) if experts else None)
+        or getattr(config, "intermediate_size", None)
+        or getattr(config, "n_inner", None)
+        or 4 * h
+    )
+    return ModelStats(
+        n_params=sum(p.numel() for p in params),
+        shapes=tuple(tuple(p.shape) for p in params),
+        largest_module_params=int(largest),
+        largest_param=max(p.numel() for p in params),
+        layer_params=sum(p.numel() for p in layer.parameters()),
+        layer_matrix_params=int(matrix),
+        expert_params=int(expert_params),
+        experts=experts,
+        top_k=int(getattr(config, "num_experts_per_tok", 0) or 0) if experts else 0,
+        hidden=h,
+        layers=int(config.num_hidden_layers),
+        heads=heads,
+        kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
+        head_dim=int(getattr(config, "head_dim", None) or h // heads),
+        intermediate=int(inter),
+        vocab=int(config.vocab_size),
+        gated_mlp="gate" in names,
+        tied=bool(getattr(config, "tie_word_embeddings", False)),
+        model_type=str(cfg["model_type"]),
+        hidden_act=str(
+            getattr(config, "hidden_activation", None)
+            or getattr(config, "hidden_act", None)
+            or getattr(config, "activation_function", None)
+            or "silu"
+        ),
+        resid_dropout=_rate(config, "resid_pdrop", "hidden_dropout"),
+        embd_dropout=_rate(config, "embd_pdrop"),
+        attn_dropout=_rate(config, "attn_pdrop", "attention_dropout"),
+    )
+
+
+def _rate(config: Any, *keys: str) -> float:
+    for key in keys:
+        value = getattr(config, key, None)
+        if isinstance(value, int | float):
+            return float(value)
+    return 0.0
+
+
+#: id(config dict) -> (a copy of it, its stats): the estimators ask for the same dict many times
+_BY_ID: dict[int, tuple[dict[str, Any], ModelStats]] = {}
+
+
+def stats_of(cfg: dict[str, Any]) -> ModelStats:
+    hit = _BY_ID.get(id(cfg))
+    if hit is not None and hit[0] == cfg:
+        return hit[1]
+    st = model_stats(json.dumps(cfg, sort_keys=True))
+    if len(_BY_ID) > 256:
+        _BY_ID.clear()
+    _BY_ID[id(cfg)] = (dict(cfg), st)
+    return st
 
 
 def count_params(cfg: dict[str, Any]) -> int:
-    """Parameter count of a LLaMA-style decoder from its config (no model is built)."""
-    h = int(cfg["hidden_size"])
-    v = int(cfg["vocab_size"])
-    n_layers = int(cfg["num_hidden_layers"])
-    heads = int(cfg["num_attention_heads"])
-    kv = int(cfg.get("num_key_value_heads") or heads)
-    head_dim = int(cfg.get("head_dim") or h // heads)
-    inter = int(cfg.get("intermediate_size") or 4 * h)
-    attn = h * heads * head_dim * 2 + h * kv * head_dim * 2
-    mlp = 3 * h * inter
-    norms = 2 * h
-    embed = v * h * (1 if cfg.get("tie_word_embeddings") else 2)
-    return n_layers * (attn + mlp + norms) + embed + h
+    """Parameter count of the transformers model the config builds (built on the meta device)."""
+    return stats_of(cfg).n_params
 
 
 def resolve_model(name_or_path: str) -> ModelEntry:
@@ -147,14 +456,17 @@ def resolve_model(name_or_path: str) -> ModelEntry:
             cfg = json.loads(path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise UserError(f"model config {name_or_path} is not valid JSON: {exc}") from None
-        missing = [k for k in _REQUIRED if not isinstance(cfg, dict) or k not in cfg]
-        if missing:
-            raise UserError(
-                f"{name_or_path} is not a causal-LM model config: missing {', '.join(missing)}"
-            )
+        if not isinstance(cfg, dict) or "model_type" not in cfg:
+            raise UserError(f"{name_or_path} is not a causal-LM model config: missing model_type")
         cfg = {k: v for k, v in cfg.items() if not k.startswith("_") and k != "architectures"}
+        cfg.pop("torch_dtype", None)
+        cfg.pop("dtype", None)
         cfg.setdefault("use_cache", False)
-        return ModelEntry(path.stem, cfg, seq_len=512, global_batch_size=16, description=str(path))
+        validate_config(cfg, name_or_path)
+        seq = min(
+            2048, int(_transformers_config(cfg, name_or_path).max_position_embeddings or 2048)
+        )
+        return ModelEntry(path.stem, cfg, seq_len=seq, global_batch_size=16, description=str(path))
     close = difflib.get_close_matches(name_or_path, list(REGISTRY), n=3, cutoff=0.4)
     hint = f"; did you mean {', '.join(close)}?" if close else ""
     raise UserError(f"unknown model '{name_or_path}'{hint} (known: {', '.join(REGISTRY)})")

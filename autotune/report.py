@@ -249,7 +249,13 @@ class Bar:
     label: str
     row: Row
     construction_peak: int = 0
-    host_bytes: int = 0
+    host_offloaded: int = 0  # the bytes offloaded to host memory at most (ZeRO offload)
+
+    @property
+    def host_peak(self) -> int:
+        """The job's host memory peak (resident set; what --host-memory limits), or where a
+        trial recorded none, the offloaded bytes alone."""
+        return max(self.row.host_peak_bytes, self.host_offloaded)
 
 
 def memory_bars(sel: Selection, ladder: Ladder, attrs: dict[int, dict[str, Any]]) -> list[Bar]:
@@ -270,15 +276,16 @@ def memory_bars(sel: Selection, ladder: Ladder, attrs: dict[int, dict[str, Any]]
         a = attrs.get(r.number, {})
         if sel.winner is not None and r.number == sel.winner.number:
             label += "\n(winner)"
-        host = int((r.memory_breakdown or {}).get(HOST_KEY) or a.get("host_peak_bytes") or 0)
-        bars.append(Bar(label, r, int(a.get("construction_peak_bytes") or 0), host))
+        offloaded = int((r.memory_breakdown or {}).get(HOST_KEY) or 0)
+        bars.append(Bar(label, r, int(a.get("construction_peak_bytes") or 0), offloaded))
     return bars
 
 
 def memory_figure(bars: list[Bar], budget_bytes: int, host_limit: int | None, title: str) -> Figure:
     """Left: the device peak of each bar split by part, against the device budget, with the
-    construction peak marked. Right, on its own axis: what the same trials keep in host memory
-    (offloaded), against the host limit when one is set."""
+    construction peak marked. Right, on its own axis: the same trials' host memory peak (the
+    job's resident set) with the part offloaded to it, against the host limit when one is set
+    (a limit far above the bars, such as this machine's whole memory, is named, not drawn)."""
     fig, (ax, hx) = plt.subplots(
         1,
         2,
@@ -345,19 +352,31 @@ def memory_figure(bars: list[Bar], budget_bytes: int, host_limit: int | None, ti
     ax.set_title(title, fontsize=10)
     ax.grid(True, axis="y", alpha=0.3)
 
-    hosts = [b.host_bytes / MIB for b in bars]
+    hosts = [b.host_peak / MIB for b in bars]
+    offloaded = [b.host_offloaded / MIB for b in bars]
     hx.bar(
         x,
         hosts,
-        color="#8172b3",
-        hatch="++",
+        color="#c9c3e0",
         edgecolor="black",
         linewidth=0.5,
         width=0.6,
-        label="host memory (offloaded)",
+        label="host memory peak (the job's resident set)",
     )
-    h_top = max([*hosts, (host_limit or 0) / MIB, 1.0]) * 1.15
-    if host_limit:
+    if any(offloaded):
+        hx.bar(
+            x,
+            offloaded,
+            color="#8172b3",
+            hatch="++",
+            edgecolor="black",
+            linewidth=0.5,
+            width=0.6,
+            label="of which offloaded (ZeRO offload)",
+        )
+    h_top = max([*hosts, 1.0]) * 1.15
+    if host_limit and host_limit / MIB <= 4 * h_top:
+        h_top = max(h_top, host_limit / MIB * 1.15)
         hx.axhline(
             host_limit / MIB,
             color="#c44e52",
@@ -365,11 +384,22 @@ def memory_figure(bars: list[Bar], budget_bytes: int, host_limit: int | None, ti
             linewidth=1.4,
             label=f"host limit {format_size(host_limit)}",
         )
+    elif host_limit:  # drawn, it would flatten the bars
+        hx.text(
+            0.5,
+            0.97,
+            f"host limit {format_size(host_limit)}\n(above the axis)",
+            transform=hx.transAxes,
+            ha="center",
+            va="top",
+            fontsize=8,
+            color="#c44e52",
+        )
     if not any(hosts):
         hx.text(
             0.5,
             0.5,
-            "nothing offloaded\nto host memory",
+            "no host memory\nrecorded",
             transform=hx.transAxes,
             ha="center",
             va="center",
@@ -414,6 +444,7 @@ def _summary_lines(study: optuna.Study, sel: Selection) -> list[str]:
         lines.append(
             f"winner: trial {w.number}: {describe(w.config)}, peak {format_size(w.peak_bytes)}, "
             f"{w.tokens_per_s:,.0f} tokens/s"
+            + (f", host memory {format_size(w.host_peak_bytes)}" if w.host_peak_bytes else "")
         )
     else:
         lines.append("no trial fits the budget yet")
@@ -443,6 +474,7 @@ TRIAL_COLUMNS = (
     "construction",
     *(k for k in PARTS if k not in ("activations_and_other", "unsplit")),
     "host",
+    "offloaded",
     "tokens/s",
 )
 
@@ -452,7 +484,7 @@ def trial_cells(sel: Selection, attrs: dict[int, dict[str, Any]]) -> list[dict[s
     for r in sel.rows:
         a = attrs.get(r.number, {})
         parts = device_parts(r.memory_breakdown)
-        host = int((r.memory_breakdown or {}).get(HOST_KEY) or a.get("host_peak_bytes") or 0)
+        offloaded = int((r.memory_breakdown or {}).get(HOST_KEY) or 0)
         status = r.status + (" (predicted)" if r.predicted else "")
         if sel.winner is not None and r.number == sel.winner.number:
             status += " ★ winner"
@@ -464,10 +496,11 @@ def trial_cells(sel: Selection, attrs: dict[int, dict[str, Any]]) -> list[dict[s
             "construction": format_size(int(a["construction_peak_bytes"]))
             if a.get("construction_peak_bytes")
             else "-",
-            "host": format_size(host) if host else "-",
+            "host": format_size(r.host_peak_bytes) if r.host_peak_bytes else "-",
+            "offloaded": format_size(offloaded) if offloaded else "-",
             "tokens/s": f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else "-",
         }
-        for k in TRIAL_COLUMNS[5:-2]:
+        for k in TRIAL_COLUMNS[5:-3]:
             cell[k] = format_size(parts[k]) if parts.get(k) else "-"
         if "activations_and_other" in parts:
             cell["activations"] = format_size(parts["activations_and_other"]) + " (with other)"
@@ -551,7 +584,12 @@ def write_html(
         for k, p in pngs.items()
     }
     ladder_html = _html_table(LADDER_COLUMNS, ladder_cells(ladder), COLUMN_TITLES, "ladder")
-    titles = {"construction": "construction peak", "optimizer_states": "optimizer states"}
+    titles = {
+        "construction": "construction peak",
+        "optimizer_states": "optimizer states",
+        "host": "host memory peak",
+        "offloaded": "offloaded to host",
+    }
     trials_html = _html_table(TRIAL_COLUMNS, trials, titles, "trials")
     path.write_text(
         "<!doctype html><html lang='en'><head><meta charset='utf-8'>"
@@ -592,7 +630,7 @@ def write_report(study: optuna.Study, out_dir: Path) -> Report:
     ladder = build_ladder(study, space)
     attrs = {t.number: t.user_attrs for t in study.get_trials(deepcopy=False)}
     pareto = pareto_plot(sel, ladder, out_dir / "pareto.png", f"study {study.study_name}")
-    host_limit = getattr(settings, "host_budget_bytes", None)
+    host_limit = settings.host_budget_bytes or None  # 0: unlimited
     memory = memory_plot(
         memory_bars(sel, ladder, attrs),
         sel.budget_bytes,

@@ -161,6 +161,12 @@ def merge_ranks(results: list[TrialResult]) -> TrialResult:
                 error=bad[0].error,
                 wall_s=max(r.wall_s for r in results),
                 rank_peaks=[r.peak_bytes for r in results],
+                host_peak_bytes=sum(r.host_peak_bytes for r in results),
+                # what filled the worst rank's memory when it ran out
+                memory_breakdown=worst.memory_breakdown,
+                construction_peak_bytes=worst.construction_peak_bytes,
+                training_peak_bytes=worst.training_peak_bytes,
+                construction_breakdown=worst.construction_breakdown,
             )
     steps = min(len(r.losses) for r in results)
     return TrialResult(
@@ -174,5 +180,5 @@ def merge_ranks(results: list[TrialResult]) -> TrialResult:
         construction_peak_bytes=worst.construction_peak_bytes,
         training_peak_bytes=worst.training_peak_bytes,
         construction_breakdown=worst.construction_breakdown,
-        host_peak_bytes=max(r.host_peak_bytes for r in results),
+        host_peak_bytes=sum(r.host_peak_bytes for r in results),  # the ranks share one host
     )

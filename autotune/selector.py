@@ -36,6 +36,7 @@ class Row:
     stderr_tail: str = ""
     retry_of: int | None = None  # the trial whose controller died, run again as this one
     rank_peaks: list[int] | None = None  # each rank's peak in a multi-process trial
+    host_peak_bytes: int = 0  # host memory: measured peak RSS, or predicted (estimate backend)
 
     @property
     def feasible(self) -> bool:
@@ -95,6 +96,7 @@ def rows_of(study: optuna.Study) -> list[Row]:
                 stderr_tail=a.get("stderr_tail") or "",
                 retry_of=(t.system_attrs.get("retry_history") or [None])[-1],
                 rank_peaks=a.get("rank_peaks") or None,
+                host_peak_bytes=int(a.get("host_peak_bytes") or 0),
             )
         )
     return rows

@@ -17,10 +17,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from autotune.errors import UserError
 from autotune.hardware import Hardware, unavailable_reason
+from autotune.yaml_limits import load_yaml, parse_yaml
 from trials.techniques import ATTENTION, CHECKPOINTING, OPTIMIZERS, PRECISIONS
 
 Choice = str | int | float | bool
@@ -86,18 +85,8 @@ class SearchSpace:
         """Read and validate a space file; ``None`` is the packaged ``default.yaml``."""
         if path is None:
             text = resources.files("search_spaces").joinpath("default.yaml").read_text()
-            source = "default"
-        else:
-            p = Path(path)
-            if not p.is_file():
-                raise UserError(f"search space file not found: {path}")
-            text, source = p.read_text(), str(p)
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            first = str(exc).splitlines()[0] if str(exc) else "syntax error"
-            raise UserError(f"search space {source}: invalid YAML: {first}") from None
-        return cls.from_dict(data, source)
+            return cls.from_dict(parse_yaml(text, "search space default"), "default")
+        return cls.from_dict(load_yaml(Path(path), "search space"), str(path))
 
     @classmethod
     def from_dict(cls, data: Any, source: str = "<dict>") -> SearchSpace:
@@ -160,6 +149,12 @@ class SearchSpace:
             if key not in by_name:
                 raise bad(f"reference.{key}: not a dimension of this space")
             reference[key] = _check_value(key, value, f"reference.{key}", bad)
+            if reference[key] not in by_name[key].choices:
+                choices = ", ".join(map(str, by_name[key].choices))
+                raise bad(
+                    f"reference.{key}: {reference[key]!r} is not one of its choices ({choices}); "
+                    "add it to the choices or change the reference"
+                )
         return cls(dims, rules, dict(reference), source)
 
     # --- resolving against a study ------------------------------------------------------------
@@ -187,9 +182,11 @@ class SearchSpace:
                     f"(global batch {global_batch_size}, {hardware.backend})"
                 )
             dims.append(Dimension(d.name, tuple(keep), d.when))
-        return SearchSpace(
-            dims, _rules_within(self.rules, dims), dict(self.reference), self.source, dropped
-        )
+        # a reference value this machine or batch can't run falls back to the first choice
+        # (reference_config); it is left out so the stored space reloads
+        kept = {d.name: d.choices for d in dims}
+        reference = {k: v for k, v in self.reference.items() if v in kept[k]}
+        return SearchSpace(dims, _rules_within(self.rules, dims), reference, self.source, dropped)
 
     # --- sampling -----------------------------------------------------------------------------
 

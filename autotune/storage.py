@@ -14,17 +14,25 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import re
+import random
+import sqlite3
+import time
 import warnings
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote
+from urllib.parse import quote
 
+import sqlalchemy
+import sqlalchemy.exc
 from optuna.exceptions import ExperimentalWarning
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 from sqlalchemy import event
+from sqlalchemy.engine import make_url
 
-from autotune.errors import UserError
+from autotune.errors import EnvironmentFailure, UserError
+from autotune.masking import has_unencoded_at, mask_secret, mask_text, mask_url, remember
+
+__all__ = ["mask_secret", "mask_text", "mask_url", "open_storage"]
 
 #: seconds between heartbeats of a running trial; its grace period is ``GRACE_FACTOR`` times that
 HEARTBEAT_S = 10
@@ -33,23 +41,11 @@ GRACE_FACTOR = 3
 HEARTBEAT_ENV = "AUTOTUNE_HEARTBEAT_S"
 #: seconds an SQLite writer waits for another process's transaction before giving up
 SQLITE_BUSY_TIMEOUT_S = 60
-
-_PASSWORD = re.compile(r"(://[^:/@]+:)([^@]*)@")
-
-
-def mask_url(url: str) -> str:
-    """The storage URL with any password replaced by ``***``."""
-    return _PASSWORD.sub(r"\1***@", url)
-
-
-def mask_secret(text: str, url: str) -> str:
-    """``text`` with the URL's password (raw and percent-decoded) replaced by ``***``."""
-    text = mask_url(text)
-    match = _PASSWORD.search(url)
-    if match and match.group(2):
-        for secret in {match.group(2), unquote(match.group(2))}:
-            text = text.replace(secret, "***")
-    return text
+#: the tables every Optuna RDB storage has; a read-only command refuses a database without them
+OPTUNA_TABLES = frozenset({"studies", "trials", "version_info", "alembic_version"})
+#: tries at creating a new database's schema: two first runs at once race on it
+SCHEMA_TRIES = 5
+SQLITE_MAGIC = b"SQLite format 3\x00"
 
 
 def heartbeat_interval() -> int:
@@ -91,41 +87,188 @@ def sqlite_path(url: str) -> Path | None:
     return Path(path) if path and path != ":memory:" else None
 
 
-def open_storage(url: str, must_exist: bool = False) -> RDBStorage:
+def open_storage(url: str, must_exist: bool = False, read_only: bool = False) -> RDBStorage:
     """An RDB storage with heartbeats: a trial whose controller died is failed and retried once.
 
     ``must_exist``: for commands that only read or join a study, a SQLite file that is not
-    there is a typo, not a new database to create.
+    there is a typo, not a new database to create. ``read_only`` (``show``, ``export``,
+    ``report``): the database must already hold Optuna's tables, and it is opened so that
+    nothing can be written to it (SQLite ``mode=ro``, PostgreSQL read-only transactions): no
+    schema is created or stamped in a foreign or empty database.
     """
     interval = heartbeat_interval()
+    remember(url)  # its password is masked in every later message of this process
+    if has_unencoded_at(url):
+        raise UserError(
+            f"storage {mask_url(url)}: the password holds an '@'; percent-encode it as %40"
+        )
     target = driver_url(url)
     sqlite = target.startswith("sqlite")
     path = sqlite_path(target)
-    if must_exist and path is not None and not path.is_file():
-        raise UserError(f"no database at {path} (storage {mask_url(url)}): run `autotune run`")
-    engine_kwargs: dict[str, Any] | None = None
+    if path is not None:
+        try:
+            _check_sqlite_file(path, url, must_exist or read_only, read_only)
+        except OSError as exc:  # a folder on the way we may not enter, an I/O error
+            raise UserError(
+                f"storage {mask_url(url)}: permission denied: {exc.strerror}: {path}"
+                if isinstance(exc, PermissionError)
+                else f"storage {mask_url(url)}: {exc.strerror}: {path}"
+            ) from None
+    engine_kwargs: dict[str, Any] = {}
     if sqlite:
         # isolation_level=None: pysqlite issues no BEGIN of its own; _begin_immediate does
         engine_kwargs = {
             "connect_args": {"timeout": SQLITE_BUSY_TIMEOUT_S, "isolation_level": None}
         }
-    try:
-        with warnings.catch_warnings():  # Optuna calls heartbeats experimental; we rely on them
-            warnings.simplefilter("ignore", ExperimentalWarning)
-            storage = RDBStorage(
-                target,
-                heartbeat_interval=interval,
-                grace_period=GRACE_FACTOR * interval,
-                heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=1),
-                engine_kwargs=engine_kwargs,
-            )
-    except Exception as exc:  # SQLAlchemy and drivers raise many kinds; all mean "can't open"
-        text = str(exc).strip()
-        reason = text.splitlines()[0] if text else type(exc).__name__
-        raise UserError(
-            f"cannot open storage {mask_url(url)}: {mask_secret(reason, url)[:200]}"
-        ) from None
-    if sqlite:
+    if read_only:
+        engine_kwargs = _read_only_engine_kwargs(target, path)
+        _check_schema(target, engine_kwargs, url)
+    storage = _create(target, url, interval, engine_kwargs, read_only)
+    if sqlite and not read_only:
         event.listen(storage.engine, "begin", _begin_immediate)
         storage.engine.dispose()  # connections made before the listener are not reused
     return storage
+
+
+def _create(
+    target: str, url: str, interval: int, engine_kwargs: dict[str, Any], read_only: bool
+) -> RDBStorage:
+    """Optuna's RDBStorage; a first run racing another on a new database tries again."""
+    for attempt in range(SCHEMA_TRIES):
+        try:
+            with warnings.catch_warnings():  # Optuna calls heartbeats experimental; we rely on them
+                warnings.simplefilter("ignore", ExperimentalWarning)
+                return RDBStorage(
+                    target,
+                    heartbeat_interval=interval,
+                    grace_period=GRACE_FACTOR * interval,
+                    heartbeat_stale_trial_callback=RetryHeartbeatStaleTrialCallback(max_retry=1),
+                    engine_kwargs=engine_kwargs,
+                    skip_table_creation=read_only,
+                )
+        except Exception as exc:  # SQLAlchemy and drivers raise many kinds; all mean "can't open"
+            if attempt + 1 < SCHEMA_TRIES and not read_only and _schema_race(exc):
+                # another process created the same tables or version row between our check
+                # and our write: its schema is the one we wanted; open it again
+                time.sleep(random.uniform(0.05, 0.3))
+                continue
+            raise _open_error(exc, url) from None
+    raise AssertionError("unreachable")
+
+
+def _schema_race(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return isinstance(exc, sqlalchemy.exc.IntegrityError) or (
+        isinstance(exc, sqlalchemy.exc.OperationalError)
+        and ("already exists" in text or "locked" in text)
+    ) or (isinstance(exc, sqlalchemy.exc.ProgrammingError) and "already exists" in text)
+
+
+def _check_sqlite_file(path: Path, url: str, must_exist: bool, read_only: bool) -> None:
+    """The cases SQLite reports alike ("unable to open database file"), told apart."""
+    where = f"storage {mask_url(url)}"
+    if path.is_dir():
+        raise UserError(
+            f"{where}: {path} is a folder, not a database file; name a file in it, e.g. "
+            f"sqlite:///{path / 'autotune.db'}"
+        )
+    if not path.exists():
+        if must_exist:
+            raise UserError(f"no database at {path} ({where}): run `autotune run` first")
+        if not path.parent.is_dir():
+            raise UserError(f"{where}: folder {path.parent} does not exist; create it first")
+        if not os.access(path.parent, os.W_OK | os.X_OK):
+            raise UserError(
+                f"{where}: permission denied: cannot create a database in {path.parent}; "
+                "choose a folder you can write"
+            )
+        return
+    if not path.is_file():
+        raise UserError(f"{where}: {path} is not a regular file")
+    if not os.access(path, os.R_OK):
+        raise UserError(f"{where}: permission denied: cannot read {path}")
+    if not read_only and not (os.access(path, os.W_OK) and os.access(path.parent, os.W_OK)):
+        what = path if not os.access(path, os.W_OK) else f"its folder {path.parent} (journal)"
+        raise UserError(f"{where}: permission denied: cannot write {what}")
+    with open(path, "rb") as f:
+        head = f.read(len(SQLITE_MAGIC))
+    if head and head != SQLITE_MAGIC[: len(head)]:
+        raise UserError(f"{where}: {path} is not an SQLite database (check --storage)")
+
+
+def _read_only_engine_kwargs(target: str, path: Path | None) -> dict[str, Any]:
+    if path is not None:
+        uri = f"file:{quote(str(path.resolve()))}?mode=ro"
+
+        def connect() -> sqlite3.Connection:
+            return sqlite3.connect(
+                uri,
+                uri=True,
+                timeout=SQLITE_BUSY_TIMEOUT_S,
+                isolation_level=None,
+                check_same_thread=False,
+            )
+
+        return {"creator": connect}
+    if target.startswith(("postgresql", "postgres")):
+        # every transaction of this session is read-only: the server refuses any write
+        return {"connect_args": {"options": "-c default_transaction_read_only=on"}}
+    return {}
+
+
+def _check_schema(target: str, engine_kwargs: dict[str, Any], url: str) -> None:
+    """A read-only command on a database without Optuna's tables (empty, foreign, a typo)."""
+    try:
+        engine = sqlalchemy.create_engine(target, **engine_kwargs)
+        try:
+            with engine.connect() as conn:
+                names = set(sqlalchemy.inspect(conn).get_table_names())
+                stamped = names >= OPTUNA_TABLES and all(
+                    conn.execute(sqlalchemy.text(f"SELECT COUNT(*) FROM {t}")).scalar()
+                    for t in ("version_info", "alembic_version")
+                )
+        finally:
+            engine.dispose()
+    except Exception as exc:
+        raise _open_error(exc, url) from None
+    if not stamped:
+        raise UserError(
+            f"storage {mask_url(url)} holds no Optuna study (an empty or foreign database): "
+            "check --storage; `autotune run` creates a study"
+        )
+
+
+def _open_error(exc: BaseException, url: str) -> UserError | EnvironmentFailure:
+    """One line for a storage that did not open, saying which of the usual causes it is."""
+    text = mask_secret(" ".join(str(exc).split()), url) or type(exc).__name__
+    low = text.lower()
+    where = f"storage {mask_url(url)}"
+    try:
+        parsed = make_url(driver_url(url))
+        host = f"{parsed.host or 'localhost'}:{parsed.port or ''}".rstrip(":")
+    except Exception:
+        host = "its server"
+    if isinstance(exc, ImportError | ModuleNotFoundError) or "no module named" in low:
+        return UserError(f"{where}: its database driver is not installed: {text[:200]}")
+    if any(k in low for k in ("connection refused", "could not connect", "timeout expired",
+                              "timed out", "could not translate host name",
+                              "name or service not known", "no route to host")):  # fmt: skip
+        return EnvironmentFailure(
+            f"{where}: cannot reach the database server at {host} (is it running, and is the "
+            f"address right?): {_reason(text)}"
+        )
+    if "authentication failed" in low or ("password" in low and "fail" in low):
+        return UserError(f"{where}: the server at {host} refused the user or password")
+    if "does not exist" in low and "database" in low:
+        return UserError(f"{where}: {_reason(text)}; create the database first")
+    if "readonly" in low or "read-only" in low or "permission denied" in low:
+        return UserError(f"{where}: permission denied: {_reason(text)}")
+    if "not a database" in low:
+        return UserError(f"{where}: not an SQLite database (check --storage)")
+    if "no longer compatible" in low or "optuna storage upgrade" in low:
+        return UserError(f"{where}: {_reason(text)}")
+    return UserError(f"cannot open {where}: {_reason(text)}")
+
+
+def _reason(text: str) -> str:
+    return text[:200]

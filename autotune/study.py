@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -51,6 +52,7 @@ class StudySettings:
     lr: float = 3e-3
     nproc: int = 1
     target_gpu: str = ""  # backend "estimate": the GPU the predictions are for (gpus.GPUS key)
+    host_budget_bytes: int = 0  # host RAM a trial may use (--host-memory); 0: unlimited
     #: keys that must match to add trials to an existing study
     identity: tuple[str, ...] = field(
         default=(
@@ -92,6 +94,7 @@ class StudySettings:
             seed=self.seed,
             lr=self.lr,
             nproc=self.nproc,
+            host_budget_bytes=self.host_budget_bytes or None,
         )
 
 
@@ -99,30 +102,74 @@ def _settings_attr(study: optuna.Study) -> dict[str, Any] | None:
     return study.user_attrs.get("settings")
 
 
-def create_or_load(storage: RDBStorage, name: str, settings: StudySettings) -> optuna.Study:
-    """Open study ``name``, creating it with ``settings``; refuse to mix different settings."""
-    existing = {s.study_name for s in storage.get_all_studies()}
-    if name in existing:
-        study = optuna.load_study(study_name=name, storage=storage)
-        stored = _settings_attr(study) or {}
-        for key in settings.identity:
-            if key in stored and stored[key] != getattr(settings, key):
-                what = "another search space" if key == "space" else f"{key}={stored[key]!r}"
-                raise UserError(
-                    f"study '{name}' exists with {what}, not {getattr(settings, key)!r}; "
-                    "use another --study-name"
-                    if key != "space"
-                    else f"study '{name}' exists with {what}; use another --study-name"
-                )
-        return study
-    study = optuna.create_study(
-        study_name=name, storage=storage, directions=["maximize", "minimize"]
-    )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        study.set_metric_names(["tokens_per_s", "peak_mib"])
-    study.set_user_attr("settings", settings.to_attrs())
+#: settings a user may give again for an existing study: refused when they differ from its own
+#: (they change how its past trials are judged or what they ran), with the option to omit
+GIVEN_OPTIONS = {"loss_tolerance": "--loss-tolerance", "seed": "--seed", "target_gpu": "--gpu"}
+#: seconds to wait for the settings of a study another process has just created
+SETTINGS_WAIT_S = 10.0
+
+
+def create_or_load(
+    storage: RDBStorage,
+    name: str,
+    settings: StudySettings,
+    given: frozenset[str] | set[str] = frozenset(),
+) -> optuna.Study:
+    """Open study ``name``, creating it with ``settings``; refuse to mix different settings.
+
+    ``given``: the settings the user typed (not defaults); for an existing study each must
+    match what it has (``GIVEN_OPTIONS``), or the line says what it has.
+    """
+    if name not in {s.study_name for s in storage.get_all_studies()}:
+        try:
+            study = optuna.create_study(
+                study_name=name, storage=storage, directions=["maximize", "minimize"]
+            )
+        except optuna.exceptions.DuplicatedStudyError:
+            pass  # another first run created it a moment ago: join it below, like a rerun
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                study.set_metric_names(["tokens_per_s", "peak_mib"])
+            study.set_user_attr("settings", settings.to_attrs())
+            return study
+    study = optuna.load_study(study_name=name, storage=storage)
+    stored = _wait_for_settings(study)
+    if stored is None:
+        raise UserError(f"study '{name}' was not made by autotune; use another --study-name")
+    for key in settings.identity:
+        if key in stored and stored[key] != getattr(settings, key):
+            what = "another search space" if key == "space" else f"{key}={stored[key]!r}"
+            raise UserError(
+                f"study '{name}' exists with {what}, not {getattr(settings, key)!r}; "
+                "use another --study-name"
+                if key != "space"
+                else f"study '{name}' exists with {what}; use another --study-name"
+            )
+    if "model_config" in stored and stored["model_config"] != settings.model_config:
+        raise UserError(
+            f"study '{name}' was made with another config of model '{settings.model}'; "
+            "use another --study-name"
+        )
+    for key in sorted(given & GIVEN_OPTIONS.keys()):
+        if key in stored and stored[key] != getattr(settings, key):
+            raise UserError(
+                f"study '{name}' has {key}={stored[key]!r}, not {getattr(settings, key)!r} "
+                f"({GIVEN_OPTIONS[key]}); omit {GIVEN_OPTIONS[key]} to continue it, or use "
+                "another --study-name"
+            )
     return study
+
+
+def _wait_for_settings(study: optuna.Study) -> dict[str, Any] | None:
+    """The study's settings; a study created by another process this instant gets its
+    settings a moment after it exists (two writes), so wait for them a little."""
+    deadline = time.monotonic() + SETTINGS_WAIT_S
+    while True:
+        stored = _settings_attr(study)
+        if stored is not None or study.trials or time.monotonic() > deadline:
+            return stored
+        time.sleep(0.2)
 
 
 def load_existing(storage: RDBStorage, name: str | None) -> optuna.Study:

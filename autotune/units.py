@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 from autotune.errors import UserError
@@ -17,6 +18,10 @@ _UNITS = {
     "GIB": 2**30,
     "TIB": 2**40,
 }
+#: sane bounds for a per-device budget: below one MiB nothing trains (and a budget that rounds
+#: to zero bytes divides by zero), above one PiB it is a typo
+MIN_BUDGET = 2**20
+MAX_BUDGET = 2**50
 _PATTERN = re.compile(r"^\s*([-+]?\d+(?:\.\d+)?|[-+]?\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 
@@ -31,6 +36,12 @@ def parse_size(text: str) -> int:
     value = float(match.group(1)) * _UNITS[unit]
     if value <= 0:
         raise UserError(f"invalid budget '{text}': it must be greater than zero")
+    if not math.isfinite(value) or value > MAX_BUDGET:
+        raise UserError(f"invalid budget '{text}': more than {format_size(MAX_BUDGET)} per device")
+    if value < MIN_BUDGET:
+        raise UserError(
+            f"invalid budget '{text}': under {format_size(MIN_BUDGET)}, no model trains in it"
+        )
     return int(value)
 
 

@@ -16,4 +16,8 @@ DEEPSPEED_SPEC=${DEEPSPEED_SPEC:-deepspeed==0.19.8}
 .venv/bin/python -m pip install --quiet "$TORCH_SPEC"
 .venv/bin/python -m pip install --quiet --no-build-isolation "$DEEPSPEED_SPEC"
 .venv/bin/python -m pip install --quiet -e '.[test]'
-.venv/bin/python -c "import torch, optuna, transformers, deepspeed; print('torch', torch.__version__, '| optuna', optuna.__version__, '| transformers', transformers.__version__, '| deepspeed', deepspeed.__version__)"
+# axolotl's own config loader validates the axolotl export in the tests. Its full install pulls
+# CUDA-only packages (flash-attn, bitsandbytes, xformers); the loader itself needs only what is
+# installed above plus addict, so axolotl is installed without its dependencies.
+.venv/bin/python -m pip install --quiet --no-deps "axolotl==0.19.0" "addict==2.4.0"
+.venv/bin/python -c "import torch, optuna, transformers, deepspeed; from axolotl.utils.config import validate_config; print('torch', torch.__version__, '| optuna', optuna.__version__, '| transformers', transformers.__version__, '| deepspeed', deepspeed.__version__)"

@@ -73,7 +73,7 @@ def test_hf_arguments_construct_training_arguments(name: str, tmp_path: Path) ->
     args = TrainingArguments(**{**d, "output_dir": str(tmp_path / "o"), "use_cpu": True})
     assert args.per_device_train_batch_size == config["micro_batch_size"]
     assert args.gradient_accumulation_steps == 8 // config["micro_batch_size"]
-    assert args.gradient_checkpointing == (config["gradient_checkpointing"] != "off")
+    assert bool(args.activation_checkpointing) == (config["gradient_checkpointing"] != "off")
     assert args.fp16 == (config["precision"] == "fp16")
     assert (args.deepspeed is not None) == ("zero_stage" in config)
     assert args.optim.value == "adamw_torch"
@@ -88,12 +88,14 @@ def test_accelerate_yaml_is_read_by_accelerate(name: str, tmp_path: Path) -> Non
 
     config = CONFIGS[name]
     cluster = load_config_from_file(str(_write_all(config, tmp_path)["accelerate"]))
-    assert cluster.mixed_precision == config["precision"]
     assert cluster.num_processes == 1
-    if "zero_stage" in config:
+    if "zero_stage" in config:  # precision and stage: in the DeepSpeed file it names
         assert cluster.distributed_type.value == "DEEPSPEED"
-        assert cluster.deepspeed_config["zero_stage"] == 2
+        assert cluster.mixed_precision is None  # accelerate refuses it beside a DeepSpeed file
+        ds = json.loads(Path(cluster.deepspeed_config["deepspeed_config_file"]).read_text())
+        assert ds["zero_optimization"]["stage"] == 2 and ds["fp16"]["enabled"] is True
     else:
+        assert cluster.mixed_precision == config["precision"]
         assert cluster.distributed_type.value == "NO"
 
 
@@ -103,8 +105,8 @@ def test_axolotl_fragment(name: str, tmp_path: Path) -> None:
     frag = yaml.safe_load(_write_all(config, tmp_path)["axolotl"].read_text())
     assert frag["micro_batch_size"] * frag["gradient_accumulation_steps"] == 8
     assert frag["gradient_checkpointing"] is (config["gradient_checkpointing"] != "off")
-    assert frag["flash_attention"] is False and frag["load_in_4bit"] is False
-    assert frag["sdp_attention"] is (config["attention"] == "sdpa")
+    assert frag["load_in_4bit"] is False
+    assert frag["attn_implementation"] == config["attention"]
     assert frag["optimizer"] == "adamw_torch"
     assert "adapter" not in frag
     if "zero_stage" in config:
@@ -145,7 +147,7 @@ def test_command_line_parses_with_the_launchers(name: str, tmp_path: Path) -> No
     )
     assert args.per_device_train_batch_size == config["micro_batch_size"]
     assert args.gradient_accumulation_steps == 8 // config["micro_batch_size"]
-    assert args.gradient_checkpointing == (config["gradient_checkpointing"] != "off")
+    assert bool(args.activation_checkpointing) == (config["gradient_checkpointing"] != "off")
     assert args.fp16 == (config["precision"] == "fp16")
     assert (args.deepspeed is not None) == ("zero_stage" in config)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.conftest import tiny_spec
 from trials.job import run_trial
@@ -75,3 +76,26 @@ def test_breakdown_adds_up(baseline) -> None:  # type: ignore[no-untyped-def]
     assert b["parameters"] == 4 * 7_358_720
     assert b["optimizer_states"] >= 2 * b["parameters"]  # AdamW: two fp32 moments
     assert sum(b.values()) == baseline.peak_bytes
+
+
+def test_fp16_overflow_step_is_skipped_and_the_scale_lowered() -> None:
+    """Dynamic loss scaling, observed: a step whose scaled gradients overflow fp16 changes no
+    weight, and the scale is halved (GradScaler's backoff); the next finite step trains."""
+    from trials.engines import TorchEngine
+    from trials.job import build_model, rank_batch
+    from trials.memory import make_monitor
+
+    spec = tiny_spec({"precision": "fp16", "micro_batch_size": 4}, seq_len=16)
+    model = build_model(spec.model_config, "sdpa", spec.seed)
+    model.train()
+    engine = TorchEngine(model, spec, torch.device("cpu"), make_monitor("cpu", None))
+    assert engine.scaler is not None, "fp16 must train under dynamic loss scaling"
+    engine.step(rank_batch(spec, 0, 0, 1))  # the scaler's scale exists after its first step
+    engine.scaler.update(new_scale=2.0**100)  # any fp16 gradient overflows at this scale
+    before = [p.detach().clone() for p in model.parameters()]
+    engine.step(rank_batch(spec, 1, 0, 1))
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    assert engine.scaler.get_scale() == 2.0**99
+    engine.scaler.update(new_scale=2.0**8)
+    engine.step(rank_batch(spec, 2, 0, 1))
+    assert not all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))

@@ -21,8 +21,10 @@ import optuna
 import pytest
 from click.testing import CliRunner
 from matplotlib import image
+from rich.console import Console
 
-from autotune.cli import main
+from autotune.cli import main, next_commands
+from autotune.display import commands_grid
 from autotune.report import KINDS, pareto_figure
 from autotune.runner import SubprocessRunner
 from autotune.selector import Selection, rows_of, select
@@ -191,15 +193,68 @@ def test_ladder_says_what_is_left_and_how_long(study_dir: Path) -> None:
     assert "change vs rung below" in md and "tokens/s" in md
 
 
-def test_run_answers_first_and_follows_the_terminal_width(study_dir: Path) -> None:
-    out = (study_dir / "predicted.txt").read_text()
-    answer = out[out.index("winner: trial") :]
-    for word in ("why", "memory", "export", "resume", "autotune export --study predicted"):
+def test_run_answers_first(study_dir: Path) -> None:
+    # a trial-backend study: the answer block (resume with no trials reports as run does)
+    with contextlib.chdir(study_dir):
+        measured = CliRunner().invoke(
+            main, ["resume", "--study", STUDY, "--trials", "0"], env={"COLUMNS": "120"}
+        )
+    assert measured.exit_code == 0, measured.output
+    out = measured.output
+    sel = select(_study(study_dir))
+    winner = sel.winner
+    assert winner is not None
+    answer = out[out.index(f"winner: trial {winner.number}") :]
+    for word in ("why", "memory", "export", "resume", "report", "autotune export --study view"):
         assert word in answer
     assert "loss vs ref" not in out  # no table of every trial unless asked (--table, `show`)
+    # the counts line, then the answer
+    assert out.index(f"{len(sel.rows)} trials: ") < out.index("winner: trial")
+    # an estimate study: its answer is the best per fidelity class, not the selector's winner
+    predicted = (study_dir / "predicted.txt").read_text()
+    assert "loss vs ref" not in predicted
+    answer = predicted[predicted.index("best per fidelity class") :]
+    assert "predicted best for" in answer and "autotune export --study predicted" in answer
     with contextlib.chdir(study_dir):
-        narrow = CliRunner().invoke(main, ["show", "--study", "predicted"], env={"COLUMNS": "70"})
-        wide = CliRunner().invoke(main, ["show", "--study", "predicted"], env={"COLUMNS": "160"})
-    assert max(len(line) for line in narrow.output.splitlines()) <= 70
-    assert max(len(line) for line in wide.output.splitlines()) > 70
-    assert "loss vs ref" in narrow.output  # show prints the table
+        shown = CliRunner().invoke(main, ["show", "--study", "predicted"])
+    assert "loss vs ref" in shown.output  # show prints the table
+    # (the terminal's width: test_hardening.test_the_table_follows_the_terminal_width)
+
+
+@pytest.mark.parametrize(
+    ("name", "url", "storage_args"),
+    [
+        ("plain", "sqlite:///autotune.db", []),
+        (
+            "it's [bold]$(touch pwned)",
+            "sqlite:///my dir/x.db",
+            ["--storage", "sqlite:///my dir/x.db"],
+        ),
+        ("pg", "postgresql://bob:s3cret-pw@db/x", []),  # a password is never printed
+    ],
+)
+def test_the_next_commands_are_commands_bash_reads_back(
+    name: str, url: str, storage_args: list[str], tmp_path: Path
+) -> None:
+    """Each command of the answer block, pasted into bash, is the command meant, whatever the
+    study's name; the printed block (rich markup escaped) shows them as they are."""
+    commands = next_commands(name, url)
+    assert not any("s3cret" in c for c in commands.values())
+    if url.startswith("postgresql"):
+        assert "AUTOTUNE_STORAGE" in commands["storage"]
+    tails = {
+        "export": ["--format", "deepspeed", "--out", "ds_config.json"],
+        "resume": ["--trials", "12"],
+        "report": ["--out", "autotune_report"],
+    }
+    for label, tail in tails.items():
+        argv = subprocess.run(
+            ["bash", "-c", f'autotune() {{ printf "%s\\0" "$@"; }}; {commands[label]}'],
+            cwd=tmp_path, capture_output=True, text=True, check=True,
+        ).stdout.split("\0")[:-1]  # fmt: skip
+        assert argv == [label, "--study", name, *storage_args, *tail]
+    assert not list(tmp_path.glob("pwned*"))
+    console = Console(width=400, record=True, emoji=False)
+    console.print(commands_grid(commands))
+    printed = console.export_text()
+    assert all(commands[label] in printed for label in tails)

@@ -33,3 +33,43 @@ def test_format_and_label() -> None:
     assert format_size(1013 * 2**20) == "1013 MiB"
     assert budget_label("24gib") == "24GiB"
     assert budget_label("300mb") == "300MB"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [  # SI units are powers of 10, IEC units powers of 2 (IEC 80000-13), worked out by hand
+        ("2000KB", 2_000_000),
+        ("2000kb", 2_000_000),
+        ("2MB", 2_000_000),
+        ("1TB", 1_000_000_000_000),
+        ("1024KiB", 1_048_576),
+        ("1MiB", 1_048_576),
+        ("1GiB", 1_073_741_824),
+        ("1TiB", 1_099_511_627_776),
+        ("1048576B", 1_048_576),
+        (" 2.5 GB ", 2_500_000_000),
+        ("+3MB", 3_000_000),
+        (".5GiB", 536_870_912),
+    ],
+)
+def test_units_are_si_or_iec_by_name(text: str, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("n", "expected"),
+    [
+        (0, "0 B"),
+        (1023, "1023 B"),
+        (1024, "1 KiB"),
+        (1536, "1.5 KiB"),
+        (1023 * 2**20, "1023 MiB"),
+        (999 * 2**20, "999 MiB"),
+        (2**30, "1 GiB"),
+        (5 * 2**40, "5 TiB"),
+        (3 * 2**50, "3072 TiB"),
+        (None, "-"),
+    ],
+)
+def test_format_size_by_hand(n: float | None, expected: str) -> None:
+    assert format_size(n) == expected

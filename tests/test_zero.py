@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import inspect
 import json
 from pathlib import Path
 from typing import Any
@@ -9,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from autotune.export import deepspeed_config, export
+from autotune.export import UserSettings, deepspeed_config, export
 from autotune.runner import SubprocessRunner
 from autotune.study import StudySettings
 from tests.conftest import TINY, tiny_spec
@@ -143,9 +145,16 @@ def test_trial_runs_exactly_the_exported_config(tmp_path: Path) -> None:
     monitor = CpuMemoryMonitor(None)
     with monitor:
         engine = DeepSpeedEngine(build_model(TINY, "sdpa", 0), spec, torch.device("cpu"), monitor)
-    out = export("deepspeed", spec.config, _settings(), tmp_path / "ds.json")
+    # with the trial's learning rate and weight decay given as the user's, the export is what
+    # the trial ran, less AdamW's default betas/eps (left to the optimizer's defaults)
+    user = UserSettings(lr=spec.lr, weight_decay=0.0)
+    out = export("deepspeed", spec.config, _settings(), tmp_path / "ds.json", user)
     exported = json.loads(out.read_text())
-    assert exported == engine.ds_config
+    ran = copy.deepcopy(engine.ds_config)
+    params = ran["optimizer"]["params"]
+    assert (params.pop("betas"), params.pop("eps")) == ([0.9, 0.999], 1e-8)
+    assert inspect.signature(torch.optim.AdamW).parameters["betas"].default == (0.9, 0.999)
+    assert exported == ran
     assert engine.engine.zero_optimization_stage() == 2
     assert engine.engine.bfloat16_enabled()
     assert type(engine.engine.optimizer.optimizer).__name__ == "DeepSpeedCPUAdam"

@@ -9,6 +9,7 @@ is a result (``oom``), not a crash; any other exception is ``failed`` with its t
 from __future__ import annotations
 
 import os
+import resource
 import sys
 import time
 import traceback
@@ -57,13 +58,11 @@ def _with_host(breakdown: dict[str, int], monitor: MemoryMonitor) -> dict[str, i
 
 
 def _peaks(monitor: MemoryMonitor) -> dict[str, Any]:
-    """Construction and training peaks apart, construction's breakdown, the host's peak."""
-    host = monitor.host_peak_bytes
+    """Construction and training peaks apart, and construction's breakdown."""
     return {
         "construction_peak_bytes": monitor.construction_peak_bytes,
         "training_peak_bytes": monitor.training_peak_bytes,
         "construction_breakdown": monitor.breakdown(construction=True),
-        "host_peak_bytes": host,
     }
 
 
@@ -99,8 +98,20 @@ def run_trial(spec: TrialSpec) -> TrialResult:
                 elapsed = time.perf_counter() - t0
         tokens_done = spec.global_batch_size * spec.seq_len * spec.measured_steps
         peak = monitor.peak_bytes
+        host = host_peak_bytes()
+        if spec.host_budget_bytes is not None and host > spec.host_budget_bytes:
+            return TrialResult(
+                status="oom",
+                peak_bytes=peak,
+                host_peak_bytes=host,
+                error=f"host memory {host} B is over the host budget {spec.host_budget_bytes} B",
+                wall_s=time.perf_counter() - start,
+                memory_breakdown=_with_host(monitor.breakdown(), monitor),
+                **_peaks(monitor),
+            )
         return TrialResult(
             status="ok",
+            host_peak_bytes=host,
             peak_bytes=peak,
             tokens_per_s=tokens_done / elapsed if elapsed > 0 else 0.0,
             losses=losses,
@@ -119,7 +130,13 @@ def run_trial(spec: TrialSpec) -> TrialResult:
                 monitor.breakdown(), monitor
             ),  # what filled the memory when it ran out
             **_peaks(monitor),
+            host_peak_bytes=host_peak_bytes(),
         )
+
+
+def host_peak_bytes() -> int:
+    """This process's peak resident set size (Linux reports ``ru_maxrss`` in KiB)."""
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 def main(argv: list[str] | None = None) -> int:

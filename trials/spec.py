@@ -32,6 +32,7 @@ class TrialSpec:
     seed: int = 0
     lr: float = 1e-3
     nproc: int = 1
+    host_budget_bytes: int | None = None  # host RAM this trial may use (all its ranks)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -64,10 +65,13 @@ class TrialResult:
     #: steps; ``peak_bytes`` is the larger, and the budget applies to both
     construction_peak_bytes: int = 0
     training_peak_bytes: int = 0
-    #: ``memory_breakdown`` is by role (``trials.roles.ROLES``) at the peak; this one at the
-    #: construction peak
+    #: ``memory_breakdown`` is by role (``trials.roles.ROLES``) at the peak, with the bytes
+    #: offloaded to host memory at most beside it (``host_offloaded``); this one is by role at
+    #: the construction peak
     construction_breakdown: dict[str, int] = field(default_factory=dict)
-    host_peak_bytes: int = 0  # offloaded to host memory at most (ZeRO offload)
+    #: host memory: the job's peak resident set (ru_maxrss; all ranks of a host summed), or the
+    #: estimator's prediction on the estimate backend
+    host_peak_bytes: int = 0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)

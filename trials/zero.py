@@ -90,10 +90,13 @@ def deepspeed_config(
         "bf16": {"enabled": precision == "bf16"},
         "fp16": {
             "enabled": precision == "fp16",
-            "loss_scale": 0,  # dynamic, as torch's GradScaler
-            "initial_scale_power": 16,  # GradScaler's initial scale 2**16
-            "loss_scale_window": 1000,
-            "hysteresis": 2,
+            # dynamic loss scaling with torch.amp.GradScaler's defaults, which the plain trial
+            # (and the Trainer without DeepSpeed) uses: start at 2**16, halve on the first
+            # overflow, double after 2000 clean steps
+            "loss_scale": 0,
+            "initial_scale_power": 16,
+            "loss_scale_window": 2000,
+            "hysteresis": 1,
             "min_loss_scale": 1,
         },
         "zero_optimization": zero,

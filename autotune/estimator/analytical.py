@@ -25,43 +25,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from autotune.estimator.activations import layer_activation_bytes
 from autotune.estimator.base import PARTS, Estimate, Estimator
 from autotune.estimator.gpus import GpuSpec
 from autotune.estimator.speed import roofline
-from autotune.estimator.states import (
-    layer_linear_shapes,
-    model_states,
-    numel,
-    param_shapes,
-    uses_deepspeed,
-)
-
-
-def _dims(cfg: dict[str, Any]) -> tuple[int, int, int, int, int, int, int]:
-    h = int(cfg["hidden_size"])
-    heads = int(cfg["num_attention_heads"])
-    kv = int(cfg.get("num_key_value_heads") or heads)
-    d = int(cfg.get("head_dim") or h // heads)
-    inter = int(cfg.get("intermediate_size") or 4 * h)
-    return h, heads, kv, d, inter, int(cfg["num_hidden_layers"]), int(cfg["vocab_size"])
-
-
-def layer_activation_bytes(
-    cfg: dict[str, Any], config: dict[str, Any], seq_len: int, micro: int
-) -> int:
-    """Bytes one decoder layer keeps for backward (no checkpointing)."""
-    h, heads, kv, d, inter, _, _ = _dims(cfg)
-    tokens = seq_len * micro
-    q, kvw = heads * d, kv * d
-    half = config.get("precision", "fp32") in ("bf16", "fp16")
-    if half:
-        per_token = 24 * h + 4 * h + 2 * (3 * q + 2 * kvw) + 8 * inter
-    else:
-        per_token = 4 * (6 * h + 3 * q + 2 * kvw + 4 * inter)
-    total = per_token * tokens
-    if config.get("attention", "sdpa") == "eager":
-        total += (6 if half else 4) * micro * heads * seq_len * seq_len
-    return total
+from autotune.estimator.states import model_states, uses_deepspeed
+from autotune.models import stats_of
 
 
 class AnalyticalEstimator(Estimator):
@@ -77,30 +46,28 @@ class AnalyticalEstimator(Estimator):
         nproc: int = 1,
         gpu: GpuSpec | None = None,
     ) -> Estimate:
-        cfg = model_config
-        h, _, _, _, _, layers, vocab = _dims(cfg)
+        st = stats_of(model_config)
+        h, layers, vocab = st.hidden, st.layers, st.vocab
         micro = int(config.get("micro_batch_size", global_batch_size))
         accum = max(1, global_batch_size // micro)
         tokens = micro * seq_len
         half = config.get("precision", "fp32") in ("bf16", "fp16")
         deepspeed = uses_deepspeed(config)
-        states = model_states(cfg, config, nproc)
+        states = model_states(model_config, config, nproc)
         params = states.parts["parameters"]
         grads = states.parts["gradients"]
         optim = states.parts["optimizer_states"]
 
-        shapes = param_shapes(cfg)
-        linear_params = sum(numel(s) for s in layer_linear_shapes(cfg)) * layers
+        layer_linear = st.layer_matrix_params + st.expert_params
+        linear_params = layer_linear * layers
         head_params = vocab * h
         quantized = str(config.get("quantization", "none") or "none") != "none"
         # frozen quantized weights are dequantized per use, not kept as 16-bit copies
         cached_params = head_params + (0 if quantized else linear_params)
         weight_cache = 2 * cached_params if half and not deepspeed else 0
-        layer_weight_cache = (
-            2 * sum(numel(s) for s in layer_linear_shapes(cfg)) if half and not quantized else 0
-        )
+        layer_weight_cache = 2 * layer_linear if half and not quantized else 0
 
-        per_layer = layer_activation_bytes(cfg, config, seq_len, micro)
+        per_layer = layer_activation_bytes(st, config, seq_len, micro)
         stream = (2 if deepspeed and half else 4) * h * tokens  # a layer's input
         ckpt = str(config.get("gradient_checkpointing", "off"))
         every = {"off": 0, "full": 1}.get(ckpt, int(config.get("checkpoint_every", 2)))
@@ -109,13 +76,17 @@ class AnalyticalEstimator(Estimator):
         recompute = (per_layer + layer_weight_cache) if every else 0
         # embedding output and the final norm (fp32 input, normalised, scaled, 16-bit copy)
         head_acts = (4 + 4 + 4 + (2 if half else 0)) * h * tokens
-        fwd_logits = (10 if half else 8) * tokens * vocab
+        if st.embd_dropout > 0:
+            head_acts += 5 * h * tokens
+        # under autocast 16-bit logits plus the fp32 log-softmax; DeepSpeed's 16-bit model keeps
+        # its 16-bit logits and the loss's fp32 upcast
+        fwd_logits = (6 if half and deepspeed else 10 if half else 8) * tokens * vocab
         bwd_logits = 12 * tokens * vocab
         acts = kept + head_acts
         cache_in_fwd = weight_cache
         cache_in_bwd = 0 if every == 1 else weight_cache * (layers - n_ckpt) // max(1, layers)
         grads_before = grads if accum > 1 else 0
-        largest = max(numel(s) for s in shapes)
+        largest = st.largest_param
         step_temps = 2 * 4 * largest if not deepspeed else 0
 
         moments = {
@@ -138,7 +109,9 @@ class AnalyticalEstimator(Estimator):
                     "temporaries": tmp + states.extra,
                 }
         notes = [f"peak at {where}", *states.notes]
-        est = Estimate(int(peak), breakdown, method=self.name, notes=notes)
+        est = Estimate(
+            int(peak), breakdown, method=self.name, notes=notes, host_breakdown=states.host
+        )
         if gpu is not None:
             roofline(est, model_config, config, seq_len, global_batch_size, nproc, gpu)
         return est

@@ -29,6 +29,14 @@ class Estimate:
     method: str = ""
     gpu: str = ""
     notes: list[str] = field(default_factory=list)
+    #: host RAM per machine: offloaded states, model copies at load, pinned buffers
+    host_breakdown: dict[str, int] = field(default_factory=dict)
+    #: seconds per step by part of the roofline (compute, memory, optimizer, communication...)
+    time_breakdown: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(self.host_breakdown.values())
 
 
 class Estimator(ABC):

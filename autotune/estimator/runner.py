@@ -31,6 +31,22 @@ def _estimate(estimator: Estimator, spec: TrialSpec, gpu: GpuSpec | None) -> Est
     )
 
 
+def _over(est: Estimate, spec: TrialSpec, margin: float = 0.0) -> str:
+    """Why the prediction does not fit (device budget, then host memory), or ""."""
+    if spec.budget_bytes is not None and est.peak_bytes > spec.budget_bytes * (1 + margin):
+        return (
+            f"predicted peak {format_size(est.peak_bytes)} is over the budget "
+            f"{format_size(spec.budget_bytes)}"
+        )
+    host = spec.host_budget_bytes
+    if host is not None and est.host_bytes > host * (1 + margin):
+        return (
+            f"predicted host memory {format_size(est.host_bytes)} is over --host-memory "
+            f"{format_size(host)}"
+        )
+    return ""
+
+
 class EstimateRunner(TrialRunner):
     def __init__(self, estimator: Estimator, gpu: GpuSpec) -> None:
         self.estimator = estimator
@@ -38,18 +54,14 @@ class EstimateRunner(TrialRunner):
 
     def run(self, spec: TrialSpec, name: str) -> TrialResult:
         est = _estimate(self.estimator, spec, self.gpu)
-        over = spec.budget_bytes is not None and est.peak_bytes > spec.budget_bytes
+        error = _over(est, spec)
         return TrialResult(
-            status="oom" if over else "ok",
+            status="oom" if error else "ok",
             peak_bytes=est.peak_bytes,
-            tokens_per_s=0.0 if over else est.tokens_per_s,
+            tokens_per_s=0.0 if error else est.tokens_per_s,
             memory_breakdown=est.breakdown,
-            error=(
-                f"predicted peak {format_size(est.peak_bytes)} is over the budget "
-                f"{format_size(spec.budget_bytes)}"
-                if over and spec.budget_bytes is not None
-                else ""
-            ),
+            host_peak_bytes=est.host_bytes,
+            error=error,
         )
 
     def attrs_for(self, result: TrialResult) -> dict[str, Any]:
@@ -63,15 +75,16 @@ class PrescreenRunner(TrialRunner):
         self.margin = margin
 
     def run(self, spec: TrialSpec, name: str) -> TrialResult:
-        if spec.budget_bytes is not None:
+        if spec.budget_bytes is not None or spec.host_budget_bytes is not None:
             est = _estimate(self.estimator, spec, None)
-            if est.peak_bytes > spec.budget_bytes * (1 + self.margin):
+            why = _over(est, spec, self.margin)
+            if why:
                 return TrialResult(
                     status="oom",
                     peak_bytes=est.peak_bytes,
                     memory_breakdown=est.breakdown,
-                    error=f"{PRUNED}: predicted peak {format_size(est.peak_bytes)} > budget "
-                    f"{format_size(spec.budget_bytes)} + {self.margin:.0%}",
+                    host_peak_bytes=est.host_bytes,
+                    error=f"{PRUNED}: {why} + {self.margin:.0%}",
                 )
         return self.inner.run(spec, name)
 

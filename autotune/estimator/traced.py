@@ -19,8 +19,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import types
 import weakref
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +34,14 @@ from autotune.estimator.base import PARTS, Estimate, Estimator
 from autotune.estimator.gpus import GpuSpec
 from autotune.estimator.speed import roofline
 from autotune.estimator.states import model_states, uses_deepspeed
+from autotune.models import stats_of
 from trials.techniques import CHECKPOINTING, OPTIMIZERS, PRECISIONS
 
-CACHE_VERSION = 1
+CACHE_VERSION = 3
 #: kernels that can't be built here, traced as one that keeps the same tensors for backward
 #: (flash-attn and sdpa's flash kernel both keep q, k, v, the output and the log-sum-exp)
 TRACED_ATTENTION = {"flash_attention_2": "sdpa"}
+ATTENTION_DROPOUT_KEYS = ("attn_pdrop", "attention_dropout")
 
 
 def cache_dir() -> Path:
@@ -142,6 +146,58 @@ def _step_optimizer(name: str, optimizer: torch.optim.Optimizer) -> None:
         fake[1](optimizer)
 
 
+# --- what fake tensors can't run as written --------------------------------------------------
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype | None) -> Iterator[None]:
+    if dtype is None:
+        yield
+        return
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _balanced_experts_forward(
+    self: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """transformers' expert loop with the routing fixed to a balanced one: each expert gets
+    ``tokens * top_k / experts`` tokens. The real loop asks which experts were hit
+    (``nonzero``), a data-dependent shape fake tensors cannot know; the tensors each expert
+    keeps for backward are the same as with balanced routing."""
+    n_experts = int(self.num_experts)  # type: ignore[arg-type]
+    tokens, top_k = top_k_index.shape
+    per_expert = max(1, tokens * top_k // n_experts)
+    out = torch.zeros_like(hidden_states)
+    for e in range(n_experts):
+        idx = torch.arange(e * per_expert, (e + 1) * per_expert, device=hidden_states.device)
+        idx = idx % tokens
+        state = hidden_states[idx]
+        gate, up = torch.nn.functional.linear(state, self.gate_up_proj[e]).chunk(2, dim=-1)  # type: ignore[index]
+        h = self.act_fn(gate) * up  # type: ignore[operator]
+        h = torch.nn.functional.linear(h, self.down_proj[e])  # type: ignore[index]
+        h = h * top_k_weights[idx, e % top_k, None]
+        out.index_add_(0, idx, h.to(out.dtype))
+    return out
+
+
+def balance_experts(model: torch.nn.Module, model_config: dict[str, Any]) -> int:
+    """Swap every fused-experts module's forward for the balanced one; returns how many."""
+    swapped = 0
+    for module in model.modules():
+        if all(hasattr(module, a) for a in ("gate_up_proj", "down_proj", "num_experts", "act_fn")):
+            module.forward = types.MethodType(_balanced_experts_forward, module)
+            swapped += 1
+    return swapped
+
+
 # --- the traced step ---------------------------------------------------------------------------
 
 
@@ -168,9 +224,24 @@ def trace_step(
     tracker = PhaseTracker()
     with FakeTensorMode(allow_non_fake_inputs=True), tracker:
         attention = str(config.get("attention", "sdpa"))
-        model = build_model(model_config, TRACED_ATTENTION.get(attention, attention), 0)
-        if deepspeed and precision.autocast_dtype is not None:
-            model.to(precision.autocast_dtype)  # DeepSpeed's engine runs the model in 16 bits
+        # DeepSpeed's engine runs the model in 16 bits: build it so (``model.to(dtype)`` can't
+        # swap parameters under fake tensors)
+        dtype = precision.autocast_dtype if deepspeed else None
+        traced_cfg = dict(model_config)
+        if attention != "eager":
+            # CUDA's fused kernels apply attention dropout inside (no mask kept); the CPU's
+            # sdpa would fall back to its math path and keep the s x s probabilities
+            traced_cfg.update({key: 0.0 for key in ATTENTION_DROPOUT_KEYS})
+        fallback = 0
+        with _default_dtype(dtype):
+            try:
+                model = build_model(traced_cfg, TRACED_ATTENTION.get(attention, attention), 0)
+            except ValueError as exc:  # e.g. Gemma2 refuses sdpa in transformers 5
+                if "attention implementation" not in str(exc):
+                    raise
+                model = build_model(traced_cfg, "eager", 0)
+                fallback = 1
+        balance_experts(model, model_config)
         model.train()
         CHECKPOINTING[str(config.get("gradient_checkpointing", "off"))](model, config)
 
@@ -211,6 +282,7 @@ def trace_step(
         del model, optimizer
     parts = {k: max(0, tracker.at_peak.get(k, 0)) for k in PARTS}
     parts["peak"] = tracker.peak
+    parts["eager_fallback"] = fallback
     return parts
 
 
@@ -269,6 +341,22 @@ class TracedEstimator(Estimator):
     ) -> Estimate:
         parts = self.traced_parts(model_config, config, seq_len, global_batch_size)
         notes: list[str] = []
+        st = stats_of(model_config)
+        if st.experts:
+            notes.append(
+                f"MoE routing traced as balanced ({st.top_k} of {st.experts} experts per token, "
+                "each expert given tokens x top_k / experts): fake tensors cannot route"
+            )
+        if parts.get("eager_fallback"):
+            notes.append(
+                f"transformers cannot build this model with {config.get('attention')}: traced "
+                "with eager attention (s x s scores kept)"
+            )
+        elif str(config.get("attention")) in TRACED_ATTENTION:
+            notes.append(
+                f"{config['attention']} (CUDA only) traced as "
+                f"{TRACED_ATTENTION[str(config['attention'])]}, which keeps the same tensors"
+            )
         breakdown = {k: parts.get(k, 0) for k in PARTS}
         peak = parts["peak"]
         states = model_states(model_config, config, nproc)
@@ -287,7 +375,9 @@ class TracedEstimator(Estimator):
             breakdown["activations"] -= cut
             peak -= cut
             notes.append("16-bit copies of the (frozen, quantized) base weights removed")
-        est = Estimate(int(peak), breakdown, method=self.name, notes=notes)
+        est = Estimate(
+            int(peak), breakdown, method=self.name, notes=notes, host_breakdown=states.host
+        )
         if gpu is not None:
             roofline(est, model_config, config, seq_len, global_batch_size, nproc, gpu)
         return est

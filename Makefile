@@ -1,0 +1,41 @@
+# The two commands of the README. Each installs what is missing first (a .venv with the pinned
+# CPU torch, DeepSpeed and the project: scripts/install.sh), so a fresh clone needs nothing else.
+#
+#   make run    the main job: a 12-trial study of real CPU trials in ./autotune.db (SQLite)
+#   make test   the test services (PostgreSQL, Chromium), ruff, mypy and the test suite without
+#               slow tests (CI runs this)
+#
+# Also: make test-slow (the slow tests), make lint, make mutation.
+
+VENV := .venv
+PY := $(VENV)/bin/python
+RUN_ARGS ?= --model tiny-llama --budget 300MB --trials 12
+
+.PHONY: run test test-slow lint services mutation
+
+# re-install when the installer or the dependencies change
+$(VENV)/.installed: scripts/install.sh pyproject.toml
+	bash scripts/install.sh
+	touch $@
+
+run: $(VENV)/.installed
+	$(VENV)/bin/autotune run $(RUN_ARGS)
+
+# real services the tests use (PostgreSQL; headless Chromium, which opens the HTML report); an
+# install that fails stops here with its reason
+services:
+	bash scripts/install_postgres.sh
+	bash scripts/install_chromium.sh
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+test: $(VENV)/.installed services lint
+	$(PY) -m pytest
+
+test-slow: $(VENV)/.installed services
+	$(PY) -m pytest -m slow
+
+mutation: $(VENV)/.installed
+	$(PY) scripts/mutation.py

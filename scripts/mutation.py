@@ -1,0 +1,124 @@
+"""Mutation testing of the modules that decide, and its report.
+
+    .venv/bin/python scripts/mutation.py            # run mutmut, then write docs/MUTATION.md
+    .venv/bin/python scripts/mutation.py --report   # only rewrite the report from the last run
+
+The modules and the tests that guard them are listed in pyproject.toml (``[tool.mutmut]``).
+mutmut (PyPI) copies the project into ``mutants/``, changes one operator, constant or call at a
+time, and runs the tests that cover the changed function; a mutant the tests do not notice
+*survived*. Survivors that cannot change behaviour (equivalent mutants) are argued one per line in
+``docs/mutation_equivalent.txt`` as ``<mutant name> <reason>``; every other survivor is listed
+in the report as a gap in the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from collections import Counter, defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MUTMUT = [sys.executable, "-m", "mutmut"]
+REPORT = ROOT / "docs" / "MUTATION.md"
+EQUIVALENT = ROOT / "docs" / "mutation_equivalent.txt"
+#: mutmut's words for a mutant the tests noticed (a timeout is a mutant that broke the code)
+KILLED = {"killed", "timeout"}
+
+
+def results() -> dict[str, str]:
+    """mutant name -> status, from mutmut's own listing of the last run."""
+    out = subprocess.run(
+        [*MUTMUT, "results", "--all", "true"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    statuses = {}
+    for line in out.splitlines():
+        name, sep, status = line.strip().rpartition(": ")
+        if sep and "__mutmut_" in name:
+            statuses[name] = status.strip()
+    return statuses
+
+
+def equivalents() -> dict[str, str]:
+    if not EQUIVALENT.exists():
+        return {}
+    argued = {}
+    for line in EQUIVALENT.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, reason = line.partition(" ")
+            argued[name] = reason.strip()
+    return argued
+
+
+def module_of(mutant: str) -> str:
+    """``autotune.units.x_parse_size__mutmut_3`` -> ``autotune.units``."""
+    head = mutant.split("__mutmut_")[0]
+    parts = head.split(".")
+    while parts and (parts[-1].startswith(("x_", "xǁ")) or "ǁ" in parts[-1]):
+        parts.pop()
+    return ".".join(parts)
+
+
+def report(statuses: dict[str, str]) -> str:
+    argued = equivalents()
+    per_module: dict[str, Counter[str]] = defaultdict(Counter)
+    for name, status in statuses.items():
+        per_module[module_of(name)][status] += 1
+    lines = [
+        "# Mutation testing",
+        "",
+        "Made by `.venv/bin/python scripts/mutation.py` (mutmut, configured in `pyproject.toml`).",
+        "Score = killed (incl. timeouts) / all mutants; equivalent survivors are argued below.",
+        "",
+        "| module | mutants | killed | survived | equivalent (argued) | no test | score |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    total = Counter[str]()
+    for module in sorted(per_module):
+        c = per_module[module]
+        n = sum(c.values())
+        killed = sum(c[s] for s in KILLED)
+        survivors = [m for m, s in statuses.items() if module_of(m) == module and s == "survived"]
+        equiv = sum(m in argued for m in survivors)
+        total.update({"n": n, "killed": killed, "survived": c["survived"], "equiv": equiv})
+        total["no tests"] += c["no tests"]
+        lines.append(
+            f"| `{module}` | {n} | {killed} | {c['survived']} | {equiv} | {c['no tests']} "
+            f"| {100 * killed / n:.1f}% |"
+        )
+    n = total["n"] or 1
+    lines.append(
+        f"| **all** | {total['n']} | {total['killed']} | {total['survived']} | {total['equiv']} "
+        f"| {total['no tests']} | **{100 * total['killed'] / n:.1f}%** |"
+    )
+    lines += ["", "## Survivors", ""]
+    survivors = sorted(m for m, s in statuses.items() if s not in KILLED)
+    if not survivors:
+        lines.append("None.")
+    for m in survivors:
+        why = argued.get(m)
+        lines.append(f"- `{m}` ({statuses[m]}): " + (f"equivalent: {why}" if why else "NOT KILLED"))
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--report", action="store_true", help="only write the report")
+    parser.add_argument("--max-children", default="2")
+    args = parser.parse_args()
+    if not args.report:
+        subprocess.run([*MUTMUT, "run", "--max-children", args.max_children], cwd=ROOT, check=True)
+    statuses = results()
+    REPORT.parent.mkdir(exist_ok=True)
+    REPORT.write_text(report(statuses))
+    print(REPORT.read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,178 @@
+"""The speed model ranks configurations as GPUs do, against published throughputs; the estimate
+backend scores every configuration and answers per fidelity class, fast."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from autotune.estimate_cli import estimate_space, hardware_for
+from autotune.estimator.analytical import AnalyticalEstimator
+from autotune.estimator.exhaustive import best_per_class, headline, score
+from autotune.estimator.gpus import GPUS
+from autotune.estimator.runner import EstimateRunner
+from autotune.estimator.speed import MODEL_ERROR
+from autotune.models import REGISTRY
+from tests.conftest import cli, tiny_spec
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+LLAMA7B = REGISTRY["llama-7b"].config
+BASE = {
+    "gradient_checkpointing": "off",
+    "precision": "bf16",
+    "attention": "flash_attention_2",
+    "optimizer": "adamw",
+    "micro_batch_size": 4,
+}
+
+
+def tps(gpu: str = "a100-80gb", nproc: int = 1, seq: int = 2048, **extra: object) -> float:
+    config = {**BASE, **extra}
+    est = AnalyticalEstimator().estimate(
+        LLAMA7B, config, seq_len=seq, global_batch_size=16, nproc=nproc, gpu=GPUS[gpu]
+    )
+    return est.tokens_per_s
+
+
+def test_eager_attention_pays_for_the_score_matrix_and_more_with_longer_sequences() -> None:
+    for seq in (2048, 4096):
+        flash, sdpa, eager = (
+            tps(seq=seq, attention=a) for a in ("flash_attention_2", "sdpa", "eager")
+        )
+        assert eager < 0.9 * flash and eager < 0.9 * sdpa
+    gap = lambda s: tps(seq=s) / tps(seq=s, attention="eager")  # noqa: E731
+    assert gap(4096) > gap(2048) > gap(512) > 1.0
+
+
+def test_fp32_runs_at_the_fp32_rate() -> None:
+    # an A100's fp32 peak is 19.5 of its 312 bf16 TFLOPS: a compute-bound step is >10x slower
+    assert tps(precision="bf16") > 10 * tps(precision="fp32")
+    # an RTX 4090's fp32 rate is half its bf16 rate
+    assert (
+        1.6
+        < tps("rtx4090", precision="bf16", micro_batch_size=1)
+        / tps("rtx4090", precision="fp32", micro_batch_size=1)
+        < 2.2
+    )
+
+
+def test_fp16_and_bf16_are_a_tie() -> None:
+    bf16, fp16 = tps(precision="bf16"), tps(precision="fp16")
+    assert fp16 <= bf16 and fp16 > bf16 * (1 - MODEL_ERROR)
+
+
+def test_checkpointing_adds_its_recompute() -> None:
+    # one more forward: about (2 + 4) / (2 + 4 + 2) = 3/4 of the speed for full checkpointing
+    ratio = tps(gradient_checkpointing="full") / tps()
+    assert 0.70 < ratio < 0.80
+    every2 = tps(gradient_checkpointing="selective", checkpoint_every=2) / tps()
+    assert ratio < every2 < 1.0
+
+
+def test_offload_costs_pcie_and_the_cpu_step() -> None:
+    plain = tps(zero_stage=2)
+    offloaded = tps(zero_stage=2, offload_optimizer="cpu")
+    assert offloaded < plain
+    # parameter offload is prefetched: hidden behind a big micro-batch, exposed at micro-batch 1
+    # (13.5 GB of 16-bit weights over PCIe 4 each forward and backward)
+    one = {"micro_batch_size": 1}
+    both = tps(zero_stage=3, offload_optimizer="cpu", offload_param="cpu", **one)
+    assert both < 0.8 * tps(zero_stage=3, offload_optimizer="cpu", **one)
+
+
+def test_zero3_pays_all_gathers_where_the_link_is_slow() -> None:
+    # 8 RTX 4090s over PCIe: ZeRO-3's per-micro-batch gathers cost; over NVLink they hide
+    pcie = tps("rtx4090", nproc=8, zero_stage=3, micro_batch_size=1) / tps(
+        "rtx4090", nproc=8, zero_stage=2, micro_batch_size=1
+    )
+    nvlink = tps("h100", nproc=8, zero_stage=3) / tps("h100", nproc=8, zero_stage=2)
+    assert pcie < 0.9 and nvlink > pcie
+
+
+def test_qlora_skips_weight_gradients_and_pays_dequantisation() -> None:
+    full = tps(micro_batch_size=1)
+    nf4 = tps(micro_batch_size=1, quantization="nf4")
+    # no weight gradients: at most 6/4 of the FLOPs saved; dequantisation takes some back
+    assert nf4 < 1.5 * full
+
+
+def test_calibration_against_published_throughputs() -> None:
+    """The oracle: published figures (llm-foundry, flash-attention, ZeRO-Offload)."""
+    import speed_calibration
+
+    errors = [abs(e) for e in speed_calibration.errors()]
+    assert len(errors) >= 10
+    assert statistics.median(errors) <= 100 * MODEL_ERROR + 0.5
+    assert max(errors) < 40
+
+
+def test_whole_space_scored_fast_llama70b_on_8_gpus() -> None:
+    gpu = GPUS["h100"]
+    configs = estimate_space().resolve(32, hardware_for(gpu, 8)).grid()
+    t0 = time.process_time()
+    scored = score(
+        REGISTRY["llama-70b"].config, configs, seq_len=2048, global_batch_size=32, nproc=8,
+        gpu=gpu, budget_bytes=80 * 10**9,
+    )  # fmt: skip
+    assert time.process_time() - t0 < 10
+    assert len(scored) == len(configs) > 1000
+    per_class = best_per_class(scored)
+    assert {"exact", "mixed"} <= set(per_class)
+    for cb in per_class.values():  # ties are within the model's error of the best
+        assert all(
+            t.estimate.tokens_per_s >= cb.best.estimate.tokens_per_s * (1 - MODEL_ERROR)
+            for t in cb.ties
+        )
+
+
+def test_llama7b_on_a_24gb_card_trains_fully_with_zero_offload() -> None:
+    gpu = GPUS["rtx4090"]
+    configs = estimate_space().resolve(32, hardware_for(gpu, 1)).grid()
+    scored = score(
+        LLAMA7B, configs, seq_len=2048, global_batch_size=32, nproc=1, gpu=gpu,
+        budget_bytes=24 * 10**9,
+    )  # fmt: skip
+    head = headline(best_per_class(scored))
+    assert head is not None
+    assert head.best.config.get("offload_optimizer") == "cpu"
+    assert head.best.config.get("quantization", "none") == "none"
+    # ... and it needs far more host memory than the card has: ~150-170 GiB
+    assert head.best.estimate.host_bytes > 140 * 2**30
+    # with only 64 GB of host RAM, full training of a 7B model does not fit on one 24GB card
+    limited = score(
+        LLAMA7B, configs, seq_len=2048, global_batch_size=32, nproc=1, gpu=gpu,
+        budget_bytes=24 * 10**9, host_budget_bytes=64 * 10**9,
+    )  # fmt: skip
+    assert headline(best_per_class(limited)) is None
+    over_host = [
+        s for s in limited if s.estimate.host_bytes > 64e9 and s.why_not != "device memory"
+    ]
+    assert over_host and all(s.why_not == "host memory" and not s.fits for s in over_host)
+
+
+def test_estimate_cli_prints_the_best_of_each_class(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AUTOTUNE_CACHE", str(tmp_path / "cache"))
+    result = cli("estimate", "--model", "llama-7b", "--budget", "24GB", "--host-memory", "256GB")
+    assert result.exit_code == 0, result.output
+    out = " ".join(result.output.split())
+    assert "every configuration scored" in out and "host memory 238 GiB" in out
+    for cls in ("exact", "mixed", "adapters"):
+        assert f" {cls} " in out
+    assert "predicted best full training" in out and "host memory" in out
+
+
+def test_host_memory_over_its_budget_is_an_oom_prediction() -> None:
+    spec = tiny_spec({"zero_stage": 2, "offload_optimizer": "cpu", "precision": "bf16"})
+    spec.budget_bytes = 10**9
+    ok = EstimateRunner(AnalyticalEstimator(), GPUS["l4"]).run(spec, "t")
+    assert ok.status == "ok" and ok.host_peak_bytes > 16 * REGISTRY["tiny-llama"].n_params
+    spec.host_budget_bytes = ok.host_peak_bytes // 2
+    over = EstimateRunner(AnalyticalEstimator(), GPUS["l4"]).run(spec, "t")
+    assert over.status == "oom" and "host memory" in over.error
