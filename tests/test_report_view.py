@@ -25,9 +25,9 @@ from rich.console import Console
 
 from autotune.cli import main, next_commands
 from autotune.display import commands_grid
-from autotune.report import KINDS, pareto_figure
+from autotune.report import KINDS, MIB, Bar, memory_figure, pareto_figure
 from autotune.runner import SubprocessRunner
-from autotune.selector import Selection, rows_of, select
+from autotune.selector import Row, Selection, rows_of, select
 from autotune.space import SearchSpace
 from autotune.study import Objective, TrialCrashed, ensure_reference, settings_of
 from tests.conftest import DATA, SMALL_ARGS, cli, tiny_spec
@@ -258,3 +258,26 @@ def test_the_next_commands_are_commands_bash_reads_back(
     console.print(commands_grid(commands))
     printed = console.export_text()
     assert all(commands[label] in printed for label in tails)
+
+
+def _bar(number: int, rss: int, offloaded: int) -> Bar:
+    row = Row(
+        number, {}, "ok", 100 * MIB, 1.0, None, None, True, None,
+        memory_breakdown={"parameters": 100 * MIB, "host_offloaded": offloaded},
+        host_peak_bytes=rss,
+    )  # fmt: skip
+    return Bar(f"#{number}", row, host_offloaded=offloaded)
+
+
+def test_host_panel_draws_the_resident_set_the_offloaded_part_and_a_near_limit() -> None:
+    """Right panel: one bar per trial at its host peak (resident set), the offloaded part drawn
+    inside it; the --host-memory limit drawn when near the bars, named when far above them."""
+    bars = [_bar(0, 600 * MIB, 0), _bar(1, 900 * MIB, 300 * MIB)]
+    near = memory_figure(bars, 150 * MIB, 1200 * MIB, "t").axes[1]
+    heights = sorted(round(p.get_height()) for p in near.patches)
+    assert heights == [0, 300, 600, 900]  # two resident sets, two offloaded parts (one 0)
+    assert [round(line.get_ydata()[0]) for line in near.get_lines()] == [1200]
+    assert near.get_ylim()[1] > 1200
+    far = memory_figure(bars, 150 * MIB, 128 * 2**30, "t").axes[1]
+    assert not far.get_lines() and far.get_ylim()[1] < 1200  # the bars keep the axis
+    assert any("host limit 128 GiB" in t.get_text() for t in far.texts)
