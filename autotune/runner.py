@@ -307,6 +307,9 @@ def merge_ranks(
                 capped=first.capped,
                 alloc_conf=first.alloc_conf,
                 host_peak_bytes=host_peak,
+                # what filled the worst rank's memory when it ran out
+                memory_breakdown=worst.memory_breakdown,
+                construction_breakdown=worst.construction_breakdown,
             )
     steps = min(len(r.losses) for r in results)
     return TrialResult(
@@ -319,6 +322,7 @@ def merge_ranks(
         rank_peaks=[r.peak_bytes for r in results],
         construction_peak_bytes=max(r.construction_peak_bytes for r in results),
         training_peak_bytes=max(r.training_peak_bytes for r in results),
+        construction_breakdown=worst.construction_breakdown,
         skipped_steps=max(r.skipped_steps for r in results),
         alloc_conf=worst.alloc_conf,
         device_memory=worst.device_memory,

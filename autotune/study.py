@@ -332,6 +332,7 @@ _RESULT_ATTRS = (
     "skipped_steps",
     "alloc_conf",
     "device_memory",
+    "construction_breakdown",
     "host_peak_bytes",
     "step_time_s",
     "step_spread",

@@ -78,6 +78,10 @@ class TrialResult:
     skipped_steps: int = 0  # measured fp16 steps the loss scaler skipped (not in tokens/s)
     alloc_conf: str = ""  # PYTORCH_CUDA_ALLOC_CONF the job ran with
     device_memory: dict[str, Any] = field(default_factory=dict)  # CUDA: reserved and card peaks
+    #: ``memory_breakdown`` is by role (``trials.roles.ROLES``) at the peak, with the bytes
+    #: offloaded to host memory at most beside it (``host_offloaded``); this one is by role at
+    #: the construction peak
+    construction_breakdown: dict[str, int] = field(default_factory=dict)
     #: host memory: the job's peak resident set (ru_maxrss; all ranks of a host summed), or the
     #: estimator's prediction on the estimate backend
     host_peak_bytes: int = 0
