@@ -297,7 +297,9 @@ class SlurmRunner(TrialRunner):
             try:
                 job_id = self.submit(spec, name)
             except SubmitError as exc:
-                return TrialResult(status="failed", error=f"sbatch refused the trial: {exc}")
+                return TrialResult(
+                    status="failed", error=f"sbatch refused the trial: {exc}", transient=True
+                )
             if trial is not None:
                 trial.set_user_attr(SLURM_JOB_ATTR, job_id)
         state = self.wait(job_id, trial, spec, name)
@@ -355,7 +357,11 @@ class SlurmRunner(TrialRunner):
             error = f"Slurm job {job_id} {state.state}: {why}"
             if state.reason and state.reason != "None":
                 error += f" ({state.reason})"
-        return TrialResult(status="failed", error=error, stderr_tail=_tail(log))
+        # the job's own exit is the configuration's doing; the scheduler's verdicts are not
+        transient = state.state not in ("FAILED", "COMPLETED", "OUT_OF_MEMORY")
+        return TrialResult(
+            status="failed", error=error, stderr_tail=_tail(log), transient=transient
+        )
 
 
 class SubmitError(Exception):

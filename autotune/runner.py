@@ -211,6 +211,7 @@ class SubprocessRunner(TrialRunner):
                     status="failed",
                     error=f"timed out after {self.timeout_s:g}s",
                     stderr_tail=_tail(stderr_path),
+                    transient=True,
                     wall_s=time.perf_counter() - start,
                 )
             except BaseException:  # Ctrl-C or the controller dying: never leave the job behind

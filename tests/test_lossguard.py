@@ -23,7 +23,7 @@ from autotune.lossguard import (
 from autotune.models import REGISTRY
 from autotune.runner import TrialRunner
 from autotune.space import SearchSpace
-from autotune.study import ensure_reference, least_memory_exact, settings_of
+from autotune.study import ensure_reference, least_memory_exact, no_reference_why, settings_of
 from tests.conftest import cli, tiny_spec
 from tests.studies import make_study
 from trials.job import run_trial
@@ -167,6 +167,26 @@ def test_reference_is_queued_once_even_when_it_failed(tmp_path: Path) -> None:
     ensure_reference(study, space)  # a later `run`: not queued again
     assert not study.get_trials(states=(optuna.trial.TrialState.WAITING,))
     assert "reference_config" in study.user_attrs
+
+
+def test_a_space_without_an_exact_configuration_has_no_reference(tmp_path: Path) -> None:
+    """A bf16-only space (as scripts/gpu_acceptance.sh searches) has nothing exact to train as
+    the reference: no reference is queued, the run goes on, and the verdicts say why."""
+    path = tmp_path / "bf16.yaml"
+    path.write_text(
+        "dimensions:\n  gradient_checkpointing:\n    choices: [full]\n"
+        "  precision:\n    choices: [bf16]\n  micro_batch_size:\n    choices: [8]\n"
+    )
+    study = make_study(f"sqlite:///{tmp_path / 'db.sqlite'}", "bf16", path)
+    space = SearchSpace.from_dict(settings_of(study).space, "study")
+    assert not space.has_exact()
+    ensure_reference(study, space)
+    assert not study.get_trials(deepcopy=False)
+    assert "no exact configuration" in no_reference_why(study)
+    # the tiny space has fp32: an exact reference exists there
+    from tests.conftest import DATA
+
+    assert SearchSpace.load(DATA / "tiny_space.yaml").has_exact()
 
 
 def test_allow_restricts_the_searched_classes() -> None:

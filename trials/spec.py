@@ -67,7 +67,11 @@ class TrialResult:
     wall_s: float = 0.0
     memory_breakdown: dict[str, int] = field(default_factory=dict)
     stderr_tail: str = ""
-    rank_peaks: list[int] = field(default_factory=list)  # per rank, in a multi-process trial
+    rank_peaks: list[int] = field(default_factory=list)
+    #: a failure of the machine or the scheduler, not of the configuration (a time limit, a
+    #: cancelled, pre-empted or vanished Slurm job, sbatch refusing): the same config may run
+    #: another time, so the sampler is not told it always fails
+    transient: bool = False  # per rank, in a multi-process trial
     #: the peak while the model is built and wrapped (before the first step), and during the
     #: steps; ``peak_bytes`` is the larger, and the budget applies to both
     construction_peak_bytes: int = 0
