@@ -153,7 +153,10 @@ def _optimize(
     storage_url: str,
     worker: bool = False,
     strategy: str = "autotune",
+    confirm: bool = True,
 ) -> None:
+    """Run ``n_trials`` of the study; then, with ``confirm`` (``run``/``resume``, not workers,
+    ladder rungs or collecting Slurm jobs), re-measure the finalists."""
     settings = settings_of(study)
     launched = make_runner(settings.launcher, workdir_for(study), trial_timeout)
     runner = runner_for(settings, launched)
@@ -225,7 +228,7 @@ def _optimize(
                 err=True,
             )
             sys.exit(130)
-    if not worker and settings.backend != "estimate":
+    if confirm and not worker and settings.backend != "estimate":
         _confirm_finalists(study, launched, storage_url)
 
 
@@ -683,7 +686,7 @@ def _climb(study: optuna.Study, trial_timeout: float, storage_url: str) -> None:
 
     def optimize(n: int) -> None:
         console.print(f"ablation ladder: measuring {n} configuration(s)")
-        _optimize(study, space, n, None, trial_timeout, storage_url)
+        _optimize(study, space, n, None, trial_timeout, storage_url, confirm=False)
 
     climbed = run_ladder(study, space, optimize)
     console.print(ladder_table(ladder_cells(climbed), climbed.budget_bytes))
@@ -787,6 +790,7 @@ def resume(
             timeout,
             trial_timeout,
             storage,
+            confirm=n_trials > 0,  # --trials 0 only collects the jobs left running
         )
     _report(study, storage, table=table)
     if ladder:

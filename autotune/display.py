@@ -135,39 +135,6 @@ def print_failures(console: Console, rows: list[Row]) -> None:
             console.print(f"    stderr: {last.strip()}", style="dim", markup=False)
 
 
-def print_selection(console: Console, sel: Selection, title: str = "trials") -> None:
-    console.print(results_table(sel, title))
-    print_failures(console, sel.rows)
-    budget = format_size(sel.budget_bytes)
-    if sel.winner is not None:
-        w = sel.winner
-        console.print(
-            f"[bold green]winner[/bold green]: trial {w.number}: {describe(w.config)}  "
-            f"peak {format_size(w.peak_bytes)} of {budget}, {w.speed:,.0f} tokens/s"
-            + (f", host {format_size(w.host_peak_bytes)}" if w.host_peak_bytes else "")
-        )
-    elif sel.closest is not None:
-        c = sel.closest
-        regressed = sum(r.fits and r.loss_ok is False for r in sel.rows)
-        why = (
-            f"nothing fits {budget} without a loss regression ({regressed} fit but broke the "
-            "loss guard)"
-            if regressed
-            else f"nothing fits {budget}"
-        )
-        console.print(
-            f"[bold red]{why}[/bold red]; closest: trial {c.number}: "
-            f"{describe(c.config)} at {format_size(c.peak_bytes)}"
-        )
-    else:
-        console.print("[bold red]no trial has finished yet[/bold red]")
-    if sel.winner is not None or sel.closest is not None:
-        for line in class_summary(sel, describe):  # the full-training answer first
-            console.print(f"  {line}", markup=False, highlight=False)
-    if sel.load_warning:
-        console.print(f"[yellow]{sel.load_warning}[/yellow]")
-
-
 #: ladder cells shown in the terminal, with their header
 LADDER_HEADERS = {
     "step": "step",
@@ -177,7 +144,7 @@ LADDER_HEADERS = {
     "alone": "alone",
     "tok/s": "tok/s",
     "speed_change": "Δ tok/s",
-    "loss": "loss vs ref",
+    "loss": "loss",
     "trial": "trial",
 }
 

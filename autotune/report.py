@@ -61,7 +61,7 @@ COLUMN_TITLES = {
     "alone": "saved on baseline alone",
     "tok/s": "tokens/s",
     "speed_change": "change vs rung below",
-    "loss": "loss vs reference",
+    "loss": "loss (vs the reference, or probed)",
 }
 
 
@@ -123,11 +123,11 @@ def pareto_figure(sel: Selection, ladder: Ladder | None, title: str) -> Figure:
     rows = [r for r in sel.rows if r.duplicate_of is None and trial_kind(r, sel.budget_bytes)]
     peaks = [r.peak_bytes / MIB for r in rows if r.peak_bytes > 0] + [budget_mib]
     x_lo, x_hi = min(peaks) * 0.9, max(peaks) * 1.08
-    top = max([r.tokens_per_s for r in rows] + [1.0]) * 1.25
+    top = max([r.speed for r in rows] + [1.0]) * 1.25
 
     def where(r: Row) -> tuple[float, float]:
         x = r.peak_bytes / MIB if r.peak_bytes > 0 else x_lo + (x_hi - x_lo) * 0.02
-        return x, (r.tokens_per_s if _ran_to_end(r) else 0.0)
+        return x, (r.speed if _ran_to_end(r) else 0.0)
 
     for kind, (label, marker, color) in KINDS.items():
         for predicted in (False, True):
@@ -160,7 +160,7 @@ def pareto_figure(sel: Selection, ladder: Ladder | None, title: str) -> Figure:
     front = [r for r in sel.pareto if _ran_to_end(r)]
     if front:
         xs = [r.peak_bytes / MIB for r in front]
-        ys = [r.tokens_per_s for r in front]
+        ys = [r.speed for r in front]
         ax.step(
             [*xs, x_hi],
             [*ys, ys[-1]],
@@ -173,7 +173,7 @@ def pareto_figure(sel: Selection, ladder: Ladder | None, title: str) -> Figure:
         )
     if ladder is not None:
         path_pts = [
-            (s.row.peak_bytes / MIB, s.row.tokens_per_s)
+            (s.row.peak_bytes / MIB, s.row.speed)
             for s in ladder.steps
             if s.measured and s.row is not None and _ran_to_end(s.row)
         ]
@@ -203,7 +203,7 @@ def pareto_figure(sel: Selection, ladder: Ladder | None, title: str) -> Figure:
         w = sel.winner
         ax.scatter(
             [w.peak_bytes / MIB],
-            [w.tokens_per_s],
+            [w.speed],
             marker="*",
             s=480,
             color="#f2b701",
@@ -215,7 +215,7 @@ def pareto_figure(sel: Selection, ladder: Ladder | None, title: str) -> Figure:
         left_half = w.peak_bytes / MIB < (x_lo + x_hi) / 2
         ax.annotate(  # on the side with more room, so the box stays inside the axes
             f"winner #{w.number}\n{describe(w.config)}",
-            (w.peak_bytes / MIB, w.tokens_per_s),
+            (w.peak_bytes / MIB, w.speed),
             textcoords="offset points",
             xytext=(16, 10) if left_half else (-12, 14),
             ha="left" if left_half else "right",
@@ -443,7 +443,7 @@ def _summary_lines(study: optuna.Study, sel: Selection) -> list[str]:
         w = sel.winner
         lines.append(
             f"winner: trial {w.number}: {describe(w.config)}, peak {format_size(w.peak_bytes)}, "
-            f"{w.tokens_per_s:,.0f} tokens/s"
+            f"{w.speed:,.0f} tokens/s"
             + (f", host memory {format_size(w.host_peak_bytes)}" if w.host_peak_bytes else "")
         )
     else:

@@ -238,9 +238,9 @@ def pareto_front(rows: list[Row]) -> list[Row]:
     front = []
     for r in ran:
         dominated = any(
-            o.tokens_per_s >= r.tokens_per_s
+            o.speed >= r.speed
             and o.peak_bytes <= r.peak_bytes
-            and (o.tokens_per_s > r.tokens_per_s or o.peak_bytes < r.peak_bytes)
+            and (o.speed > r.speed or o.peak_bytes < r.peak_bytes)
             for o in ran
         )
         if not dominated:
