@@ -60,7 +60,7 @@ RANK_GRACE_S = 3.0
 POLL_S = 0.2
 
 
-def trial_env(base: dict[str, str], spec: TrialSpec) -> dict[str, str]:
+def trial_env(base: dict[str, str], spec: TrialSpec | None) -> dict[str, str]:
     """A trial job's environment: the caller's, without any distributed-job identity or the
     storage URL, with the allocator settings the trial config asks for (CUDA)."""
     env = {
@@ -75,7 +75,7 @@ def trial_env(base: dict[str, str], spec: TrialSpec) -> dict[str, str]:
             CONTROLLER_ENV: str(os.getpid()),  # the job ends itself if this process dies
         }
     )
-    if spec.backend == "cuda" and "expandable_segments" in spec.config:
+    if spec is not None and spec.backend == "cuda" and "expandable_segments" in spec.config:
         conf = alloc_conf_with(
             base.get(ALLOC_CONF_ENV, ""), bool(spec.config["expandable_segments"])
         )
