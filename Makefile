@@ -2,7 +2,8 @@
 # CPU torch, DeepSpeed and the project: scripts/install.sh), so a fresh clone needs nothing else.
 #
 #   make run    the main job: a 12-trial study of real CPU trials in ./autotune.db (SQLite)
-#   make test   the test services, ruff, mypy and the test suite without slow tests (CI runs this)
+#   make test   the test services (PostgreSQL, Chromium), ruff, mypy and the test suite without
+#               slow tests (CI runs this)
 #
 # Also: make test-slow (the slow tests), make lint, make mutation.
 
@@ -22,10 +23,12 @@ run: $(VENV)/.installed
 
 # real services the tests use; an install or start that fails stops here with its reason:
 # PostgreSQL (the many-workers tests), a single-node Slurm (munge, slurmctld, slurmd: the Slurm
-# launcher's tests; `bash scripts/install_slurm.sh --stop` stops its daemons)
+# launcher's tests; `bash scripts/install_slurm.sh --stop` stops its daemons), headless Chromium
+# (opens the HTML report)
 services:
 	bash scripts/install_postgres.sh
 	bash scripts/install_slurm.sh
+	bash scripts/install_chromium.sh
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

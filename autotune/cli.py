@@ -21,7 +21,14 @@ from click.core import ParameterSource
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from autotune.display import describe, ladder_table, print_selection, results_table
+from autotune.display import (
+    commands_grid,
+    describe,
+    ladder_table,
+    print_answer,
+    print_failures,
+    results_table,
+)
 from autotune.errors import EnvironmentFailure, OneLineGroup, UserError
 from autotune.estimate_cli import (
     banner,
@@ -34,6 +41,7 @@ from autotune.estimate_cli import (
     runner_for,
     target_gpu,
 )
+from autotune.estimator.exhaustive import ClassBest
 from autotune.estimator.gpus import gpu_spec
 from autotune.export import EXPORTERS, UserSettings, export, measured_on
 from autotune.finalists import remeasure
@@ -145,7 +153,10 @@ def _optimize(
     storage_url: str,
     worker: bool = False,
     strategy: str = "autotune",
+    confirm: bool = True,
 ) -> None:
+    """Run ``n_trials`` of the study; then, with ``confirm`` (``run``/``resume``, not workers,
+    ladder rungs or collecting Slurm jobs), re-measure the finalists."""
     settings = settings_of(study)
     launched = make_runner(settings.launcher, workdir_for(study), trial_timeout)
     runner = runner_for(settings, launched)
@@ -217,7 +228,7 @@ def _optimize(
                 err=True,
             )
             sys.exit(130)
-    if not worker and settings.backend != "estimate":
+    if confirm and not worker and settings.backend != "estimate":
         _confirm_finalists(study, launched, storage_url)
 
 
@@ -262,20 +273,27 @@ def _one_line(exc: BaseException) -> str:
     return f"could not write to the study's storage: {write_error_reason(exc)}"
 
 
-def resume_hint(study_name: str, storage_url: str, *extra: str) -> str:
-    """``: autotune resume ...``, one quoted command to paste. A storage URL with a password
-    is not printed: the command then reads it from AUTOTUNE_STORAGE, as the note says."""
-    parts = ["autotune", "resume", "--study", study_name, *extra]
+def _study_args(study_name: str, storage_url: str) -> tuple[list[str], str]:
+    """The options that name the study and its storage in a command to paste, and a note. A
+    storage URL with a password (or one read from AUTOTUNE_STORAGE) is left out: the command
+    then reads it from AUTOTUNE_STORAGE, as the note says."""
+    parts = ["--study", study_name]
     ctx = click.get_current_context(silent=True)
     from_env = (
         ctx is not None and ctx.get_parameter_source("storage") == ParameterSource.ENVIRONMENT
     )
-    note = ""
     if url_secrets(storage_url) or from_env:
-        note = " (with AUTOTUNE_STORAGE set to the study's storage URL)"
-    elif storage_url != DEFAULT_STORAGE:
+        return parts, " (with AUTOTUNE_STORAGE set to the study's storage URL)"
+    if storage_url != DEFAULT_STORAGE:
         parts += ["--storage", storage_url]
-    return f"{note}: {shell_line(parts)}"
+    return parts, ""
+
+
+def resume_hint(study_name: str, storage_url: str, *extra: str) -> str:
+    """``: autotune resume ...``, one quoted command to paste (``_study_args`` names the
+    study and its storage)."""
+    where, note = _study_args(study_name, storage_url)
+    return f"{note}: {shell_line(['autotune', 'resume', *where, *extra])}"
 
 
 @contextlib.contextmanager
@@ -300,19 +318,64 @@ def _terminate_as_interrupt(stopping: threading.Event | None = None) -> Iterator
         signal.signal(signal.SIGINT, previous_int)
 
 
-def _report(study: optuna.Study, storage_url: str) -> None:
+def _report(
+    study: optuna.Study,
+    storage_url: str,
+    table: bool = True,
+    per_class: dict[str, ClassBest] | None = None,
+) -> None:
+    """The answer block, after the full trials table when ``table`` (``show``, ``--table``).
+    On the estimate backend the selector's winner is no answer: the best per fidelity class is
+    (``per_class``, as ``run`` scored the space; ``confirm_winner`` prints it)."""
     sel = select(study)
     settings = settings_of(study)
     title = f"study {escape(study.study_name)}"
+    counts = {k: sum(r.status == k for r in sel.rows) for k in ("ok", "oom", "failed")}
+    full_table = "(the full table: autotune show, or --table)"
+    commands = next_commands(study.study_name, storage_url)
     if settings.backend == "estimate":
-        # the answer per fidelity class follows (``confirm_winner``): the table only here
         title += f": predicted for {gpu_spec(settings.target_gpu).name}, not measured"
-        console.print(results_table(sel, title))
+        if table:
+            console.print(results_table(sel, title))
+        else:
+            console.print(
+                f"{len(sel.rows)} configurations predicted: {counts['ok']} fit, "
+                f"{counts['oom']} over the budget {full_table}"
+            )
+        if per_class is not None:
+            confirm_winner(study, settings, console, per_class)
+        console.print(commands_grid(commands))
     else:
-        print_selection(console, sel, title=title)
+        if table:
+            console.print(results_table(sel, title))
+            print_failures(console, sel.rows)
+        else:
+            console.print(
+                f"{len(sel.rows)} trials: {counts['ok']} ran, {counts['oom']} over the budget, "
+                f"{counts['failed']} failed {full_table}"
+            )
+        print_answer(console, sel, commands)
     console.print(
         f"stored in {mask_url(storage_url)} as study '{study.study_name}'", markup=False
     )
+
+
+def next_commands(study_name: str, storage_url: str) -> dict[str, str]:
+    """What to type next: the export, resume and report commands, each one quoted command to
+    paste (as ``resume_hint``: a storage URL with a password is not printed; a ``storage`` line
+    then says to set AUTOTUNE_STORAGE), and the other export formats."""
+    where, note = _study_args(study_name, storage_url)
+    out = {
+        "export": shell_line(
+            ["autotune", "export", *where, "--format", "deepspeed", "--out", "ds_config.json"]
+        ),
+        "formats": "or --format " + ", ".join(f for f in EXPORTERS if f != "deepspeed"),
+        "resume": shell_line(["autotune", "resume", *where, "--trials", "12"]),
+        "report": shell_line(["autotune", "report", *where, "--out", "autotune_report"]),
+    }
+    if note:
+        out["storage"] = "run them" + note
+    return out
 
 
 @main.command()
@@ -405,6 +468,7 @@ def _report(study: optuna.Study, storage_url: str) -> None:
     default=None,
     help="CPU: run each trial as N processes (torchrun, gloo); the budget is per process.",
 )
+@click.option("--table", is_flag=True, help="Print every trial's row before the answer.")
 @click.option(
     "--gpus",
     type=click.IntRange(min=1, max=1024),
@@ -460,6 +524,7 @@ def run(
     slurm_time: str | None,
     in_flight: int | None,
     sbatch_options: tuple[str, ...],
+    table: bool,
     host_memory: str | None,
 ) -> None:
     """Run (or continue) a study of real training trials (or of predictions, without a GPU)."""
@@ -585,9 +650,7 @@ def run(
         storage,
         strategy=strategy,
     )
-    _report(study, storage)
-    if gpu_target is not None and per_class is not None:
-        confirm_winner(study, settings_of(study), console, per_class)
+    _report(study, storage, table=table, per_class=per_class)
     if ladder:
         _climb(study, trial_timeout, storage)
 
@@ -623,7 +686,7 @@ def _climb(study: optuna.Study, trial_timeout: float, storage_url: str) -> None:
 
     def optimize(n: int) -> None:
         console.print(f"ablation ladder: measuring {n} configuration(s)")
-        _optimize(study, space, n, None, trial_timeout, storage_url)
+        _optimize(study, space, n, None, trial_timeout, storage_url, confirm=False)
 
     climbed = run_ladder(study, space, optimize)
     console.print(ladder_table(ladder_cells(climbed), climbed.budget_bytes))
@@ -699,6 +762,7 @@ def _cuda_available() -> bool:
 @timeout_option
 @click.option("--ladder", is_flag=True, help="Then measure the missing rungs of the ladder.")
 @launcher_options
+@click.option("--table", is_flag=True, help="Print every trial's row before the answer.")
 def resume(
     study_name: str,
     n_trials: int,
@@ -706,6 +770,7 @@ def resume(
     trial_timeout: float,
     timeout: float | None,
     ladder: bool,
+    table: bool,
     **launcher: Any,
 ) -> None:
     """Continue a study by name with its stored settings (and its launcher, unless given).
@@ -725,8 +790,9 @@ def resume(
             timeout,
             trial_timeout,
             storage,
+            confirm=n_trials > 0,  # --trials 0 only collects the jobs left running
         )
-    _report(study, storage)
+    _report(study, storage, table=table)
     if ladder:
         _climb(study, trial_timeout, storage)
 
@@ -783,7 +849,7 @@ def worker(
         storage,
         worker=True,
     )
-    _report(study, storage)
+    _report(study, storage, table=False)
 
 
 def _relaunch(study: optuna.Study, given: dict[str, Any]) -> StudySettings:

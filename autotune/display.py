@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from autotune.selector import Row, Selection, class_summary
+from autotune.selector import GROUPS, Row, Selection, class_summary
 from autotune.units import format_size
 
 STATUS_STYLE = {"ok": "green", "oom": "red", "failed": "magenta", "running": "yellow"}
@@ -135,55 +135,23 @@ def print_failures(console: Console, rows: list[Row]) -> None:
             console.print(f"    stderr: {last.strip()}", style="dim", markup=False)
 
 
-def print_selection(console: Console, sel: Selection, title: str = "trials") -> None:
-    console.print(results_table(sel, title))
-    print_failures(console, sel.rows)
-    budget = format_size(sel.budget_bytes)
-    if sel.winner is not None:
-        w = sel.winner
-        console.print(
-            f"[bold green]winner[/bold green]: trial {w.number}: {describe(w.config)}  "
-            f"peak {format_size(w.peak_bytes)} of {budget}, {w.speed:,.0f} tokens/s"
-            + (f", host {format_size(w.host_peak_bytes)}" if w.host_peak_bytes else "")
-        )
-    elif sel.closest is not None:
-        c = sel.closest
-        regressed = sum(r.fits and r.loss_ok is False for r in sel.rows)
-        why = (
-            f"nothing fits {budget} without a loss regression ({regressed} fit but broke the "
-            "loss guard)"
-            if regressed
-            else f"nothing fits {budget}"
-        )
-        console.print(
-            f"[bold red]{why}[/bold red]; closest: trial {c.number}: "
-            f"{describe(c.config)} at {format_size(c.peak_bytes)}"
-        )
-    else:
-        console.print("[bold red]no trial has finished yet[/bold red]")
-    if sel.winner is not None or sel.closest is not None:
-        for line in class_summary(sel, describe):  # the full-training answer first
-            console.print(f"  {line}", markup=False, highlight=False)
-    if sel.load_warning:
-        console.print(f"[yellow]{sel.load_warning}[/yellow]")
-
-
 #: ladder cells shown in the terminal, with their header
 LADDER_HEADERS = {
     "step": "step",
     "adds": "adds",
     "peak": "peak",
-    "saved": "saved",
+    "peak_change": "Δ peak",
     "alone": "alone",
     "tok/s": "tok/s",
-    "speed": "speed",
-    "loss": "loss vs ref",
+    "speed_change": "Δ tok/s",
+    "loss": "loss",
     "trial": "trial",
 }
 
 
 def ladder_table(cells: list[dict[str, str]], budget_bytes: int) -> Table:
-    """The ablation ladder; ``saved`` is vs the rung below, ``alone`` on the baseline alone."""
+    """The ablation ladder, cumulative: each rung keeps the ones above; the changes are against
+    the rung below, ``alone`` is the same technique's saving on the baseline alone."""
     table = Table(
         title=f"ablation ladder (budget {format_size(budget_bytes)})",
         title_justify="left",
@@ -206,3 +174,89 @@ def ladder_table(cells: list[dict[str, str]], budget_bytes: int) -> Table:
             values["trial"] = f"[cyan]{cell['trial']}[/cyan]"
         table.add_row(*(values[k] for k in LADDER_HEADERS))
     return table
+
+
+# --- the answer a person reads first -------------------------------------------------------------
+
+
+def _memory_words(row: Row) -> str:
+    """The device peak, then the host: the job's peak resident set (measured, or predicted on
+    the estimate backend) and what of it was offloaded."""
+    offloaded = int((row.memory_breakdown or {}).get("host_offloaded", 0))
+    words = f"{format_size(row.peak_bytes)} GPU"
+    if row.host_peak_bytes:
+        words += f", host {format_size(row.host_peak_bytes)}"
+        return words + (f" ({format_size(offloaded)} offloaded)" if offloaded else ", no offload")
+    return words + (f" + {format_size(offloaded)} host" if offloaded else ", no host offload")
+
+
+def print_answer(console: Console, sel: Selection, commands: dict[str, str]) -> None:
+    """The short answer ``run`` ends with: the winner, why, its memory, the runner-up of each
+    fidelity class and what to type next; it wraps to the console's width."""
+    if sel.winner is not None:
+        w = sel.winner
+        console.print(
+            f"[bold green]winner[/bold green]: trial {w.number}: {escape(describe(w.config))}"
+        )
+    console.print(answer_grid(sel, commands))
+
+
+def commands_grid(commands: dict[str, str]) -> Table:
+    """What to type next, one labelled line each (the answer block's last rows)."""
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold", no_wrap=True)
+    grid.add_column(overflow="fold")
+    for label, command in commands.items():
+        grid.add_row(label, escape(command))
+    return grid
+
+
+def answer_grid(sel: Selection, commands: dict[str, str]) -> Table:
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold", no_wrap=True)
+    grid.add_column(overflow="fold")
+    budget = format_size(sel.budget_bytes)
+    fitting = [r for r in sel.rows if r.feasible and r.duplicate_of is None]
+    if sel.winner is None:
+        closest = sel.closest
+        grid.add_row(
+            "winner",
+            f"[red]nothing fits {budget} yet[/red]"
+            + (
+                f"; closest: trial {closest.number} at {format_size(closest.peak_bytes)}: "
+                f"{escape(describe(closest.config))}"
+                if closest is not None
+                else ""
+            ),
+        )
+    else:
+        w = sel.winner
+        group = next(
+            (c for c in sel.classes.values() if c.winner and c.winner.number == w.number), None
+        )
+        mine = [r for r in fitting if group is None or r.fidelity in GROUPS[group.group]]
+        others = sorted((r for r in mine if r.number != w.number), key=lambda r: -r.speed)
+        why = (
+            f"fastest ({w.speed:,.0f} tokens/s) of {len(mine)} trial(s) of its class that fit "
+            f"{budget} without a loss regression"
+        )
+        if group is not None and group.ties:
+            tied = ", ".join(f"#{r.number}" for r in group.ties[:3])
+            why += (
+                f"; ties with {tied} within {group.margin:.0%} (the measurements' noise): "
+                "the simplest is named"
+            )
+        elif others and others[0].speed > 0:
+            gain = w.speed / others[0].speed - 1
+            why += f"; {gain:.0%} faster than the next, trial {others[0].number}"
+        grid.add_row("why", why)
+        grid.add_row("memory", f"{_memory_words(w)} (budget {budget} per GPU)")
+    if sel.winner is not None or sel.closest is not None:
+        # the answer of each fidelity class, the full-training one first
+        for i, line in enumerate(class_summary(sel, describe)):
+            grid.add_row("per class" if i == 0 else "", escape(line))
+    if sel.load_warning:
+        grid.add_row("[yellow]note[/yellow]", f"[yellow]{escape(sel.load_warning)}[/yellow]")
+    for label, command in commands.items():
+        grid.add_row(label, escape(command))
+    return grid

@@ -265,6 +265,17 @@ def run_ladder(
     return build_ladder(study, space, target)
 
 
+def _change(value: float | None, below: float | None, sized: bool = False) -> str:
+    """``value`` against the rung below, signed: ``-38.0 MiB (-21%)`` or ``+12%``."""
+    if not value or not below:
+        return "-"
+    pct = f"{(value - below) / below:+.0%}"
+    if not sized:
+        return pct
+    diff = value - below
+    return f"{'+' if diff >= 0 else '-'}{format_size(abs(int(diff)))} ({pct})"
+
+
 def ladder_cells(ladder: Ladder) -> list[dict[str, str]]:
     """The ladder as table cells (shared by the terminal, markdown and HTML tables)."""
     out: list[dict[str, str]] = []
@@ -277,7 +288,7 @@ def ladder_cells(ladder: Ladder) -> list[dict[str, str]]:
         tps = row.tokens_per_s if ok and row is not None and row.tokens_per_s > 0 else None
         prev_tps = prev.row.tokens_per_s if prev is not None and prev.measured and prev.row else 0
         if row is None:
-            trial = "not run"
+            trial = "to measure"
         elif row.status == "failed":
             trial = f"#{row.number} failed"
         else:
@@ -288,13 +299,47 @@ def ladder_cells(ladder: Ladder) -> list[dict[str, str]]:
                 "adds": "baseline" if i == 0 else f"+{step.added}",
                 "peak": format_size(peak) if peak else "-",
                 "fits": "yes" if peak and peak <= ladder.budget_bytes else ("no" if peak else "-"),
-                "saved": format_size(prev_peak - peak) if peak and prev_peak else "-",
+                "peak_change": _change(peak, prev_peak, sized=True),
                 "alone": format_size(step.alone_saving) if step.alone_saving is not None else "-",
                 "tok/s": f"{tps:,.0f}" if tps else "-",
-                "speed": f"x{tps / prev_tps:.2f}" if tps and prev_tps else "-",
+                "speed_change": _change(tps, prev_tps or None),
                 "loss": f"{step.loss_delta * 100:+.2f}%" if step.loss_delta is not None else "-",
                 "trial": trial,
             }
         )
         prev = step
     return out
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def pending_note(ladder: Ladder, trial_seconds: Sequence[float], study_name: str) -> str:
+    """Which rungs are still to be measured and about how long that takes, from the wall times
+    of the study's measured trials (their median); "" when the ladder is complete."""
+    todo = [i for i, s in enumerate(ladder.steps) if s.row is None]
+    if ladder.target is None or (not todo and not ladder.missing):
+        return ""
+    last = len(ladder.steps) - 1
+    # the next round measures the first undecided rung's candidates; each later rung i has at
+    # most one candidate per technique not yet applied (last - i + 1); some may exist already
+    later = sum(last - i + 1 for i in todo[1:]) if todo else 0
+    at_most = len(ladder.missing) + later
+    rungs = ", ".join(str(i) for i in todo) or "none"
+    text = f"Rungs still to measure: {rungs}. The next round runs {len(ladder.missing)} trial(s)"
+    if trial_seconds:
+        each = sorted(trial_seconds)[len(trial_seconds) // 2]
+        text += f" (about {_duration(each * len(ladder.missing))} at {_duration(each)} per trial"
+        text += f", the median of this study's {len(trial_seconds)} measured trials)"
+        if later:
+            text += (
+                f"; the whole ladder at most {at_most} trials, about {_duration(each * at_most)}"
+            )
+    elif later:
+        text += f"; the whole ladder at most {at_most} trials"
+    return text + f". Measure them with: autotune resume --study {study_name} --trials 0 --ladder"

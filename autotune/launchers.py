@@ -44,11 +44,11 @@ from optuna.trial import FrozenTrial, TrialState
 from autotune.agents import torchrun
 from autotune.errors import UserError
 from autotune.runner import (
-    STORAGE_ENV,
     SubprocessRunner,
     TrialAttrs,
     TrialRunner,
     merge_ranks,
+    trial_env,
 )
 from trials.lifeline import CONTROLLER_ENV, started_at
 from trials.spec import TrialResult, TrialSpec, rank_result_path
@@ -78,12 +78,6 @@ STATE_REASONS = {
     "DEADLINE": "missed its deadline",
     "FAILED": "failed",
 }
-#: variables of the controller's environment that must not reach a job on another node: the
-#: controller's pid (its lifeline would end the job at once there), the storage URL (a
-#: password), an enclosing torchrun's or Slurm job's layout
-_DROP_ENV = (CONTROLLER_ENV, STORAGE_ENV, "RANK", "LOCAL_RANK", "WORLD_SIZE",
-             "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT",
-             "TORCHELASTIC_RUN_ID")  # fmt: skip
 #: seconds after which a job unknown to Slurm (purged: no accounting database) without a complete
 #: result is given up as lost
 LOST_AFTER_S = 60.0
@@ -128,18 +122,24 @@ class SlurmOptions:
         return [*opts, *self.extra]
 
 
-def slurm_env() -> dict[str, str]:
-    """The environment a job is submitted with (sbatch exports it to the job)."""
-    return {
-        k: v
-        for k, v in os.environ.items()
-        if k not in _DROP_ENV and (not k.startswith("SLURM_") or k == "SLURM_CONF")
+def slurm_env(spec: TrialSpec | None = None) -> dict[str, str]:
+    """The environment Slurm commands run with, and (sbatch exports it) a trial job's: a local
+    trial's (``runner.trial_env``: no enclosing torchrun's or Slurm job's layout, no storage URL,
+    the trial's allocator settings) without the controller's pid, whose lifeline would end the
+    job at once on another node."""
+    base = {
+        k: v for k, v in os.environ.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"
     }
+    env = trial_env(base, spec)
+    env.pop(CONTROLLER_ENV, None)
+    return env
 
 
-def _slurm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+def _slurm(
+    *args: str, check: bool = True, spec: TrialSpec | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        list(args), capture_output=True, text=True, env=slurm_env(), check=check, timeout=60
+        list(args), capture_output=True, text=True, env=slurm_env(spec), check=check, timeout=60
     )
 
 
@@ -285,7 +285,7 @@ class SlurmRunner(TrialRunner):
         script = trial_dir / "job.sbatch"
         script.write_text(batch_script(spec, self.options, self.timeout_s, job_cmd,
                                        trial_dir / "slurm-%j.log", job_name))  # fmt: skip
-        out = _slurm("sbatch", "--parsable", str(script), check=False)
+        out = _slurm("sbatch", "--parsable", str(script), check=False, spec=spec)
         if out.returncode != 0:
             raise SubmitError(out.stderr.strip().splitlines()[-1] if out.stderr.strip() else "")
         return out.stdout.strip().split(";")[0]
@@ -297,7 +297,9 @@ class SlurmRunner(TrialRunner):
             try:
                 job_id = self.submit(spec, name)
             except SubmitError as exc:
-                return TrialResult(status="failed", error=f"sbatch refused the trial: {exc}")
+                return TrialResult(
+                    status="failed", error=f"sbatch refused the trial: {exc}", transient=True
+                )
             if trial is not None:
                 trial.set_user_attr(SLURM_JOB_ATTR, job_id)
         state = self.wait(job_id, trial, spec, name)
@@ -355,7 +357,11 @@ class SlurmRunner(TrialRunner):
             error = f"Slurm job {job_id} {state.state}: {why}"
             if state.reason and state.reason != "None":
                 error += f" ({state.reason})"
-        return TrialResult(status="failed", error=error, stderr_tail=_tail(log))
+        # the job's own exit is the configuration's doing; the scheduler's verdicts are not
+        transient = state.state not in ("FAILED", "COMPLETED", "OUT_OF_MEMORY")
+        return TrialResult(
+            status="failed", error=error, stderr_tail=_tail(log), transient=transient
+        )
 
 
 class SubmitError(Exception):

@@ -26,6 +26,8 @@ import json
 import math
 import os
 import statistics
+import tempfile
+import threading
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -147,6 +149,15 @@ class ProbeSettings:
     backend: str  # where probes train: cpu or cuda (the study's trial backend)
 
 
+_CACHE_LOCK = threading.Lock()
+_PROBE_LOCKS: dict[str, threading.Lock] = {}
+
+
+def _probe_lock(key: str) -> threading.Lock:
+    with _CACHE_LOCK:
+        return _PROBE_LOCKS.setdefault(key, threading.Lock())
+
+
 class Prober:
     """Runs and caches probes: one curve per (family, numerics, steps, lr, seed, backend)."""
 
@@ -173,18 +184,26 @@ class Prober:
 
     def _store(self, key: str, entry: dict[str, Any]) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        data = self._load()  # merge: another process may have added probes meanwhile
-        data[key] = entry
-        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data))
-        tmp.replace(self.path)
+        with _CACHE_LOCK:  # threads of one controller (--in-flight) write one at a time
+            data = self._load()  # merge: another process may have added probes meanwhile
+            data[key] = entry
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(data))
+            os.replace(tmp, self.path)
 
     def curve(self, numerics: dict[str, str], seed: int) -> tuple[list[float] | None, str]:
         """The proxy's loss curve for these numerics and seed (cached), or None and why not."""
         key = self._key(numerics, seed)
+        with _probe_lock(key):  # two trials needing the same probe: one runs it, one reads it
+            return self._curve(key, numerics, seed)
+
+    def _curve(
+        self, key: str, numerics: dict[str, str], seed: int
+    ) -> tuple[list[float] | None, str]:
         cached = self._load().get(key)
-        if cached is not None:
-            return cached.get("losses") or None, cached.get("error", "")
+        if cached is not None and cached.get("losses"):
+            return cached["losses"], ""
         spec = TrialSpec(
             model_config=self.proxy,
             config={**numerics, "attention": "sdpa", "micro_batch_size": PROXY_BATCH},
@@ -199,10 +218,11 @@ class Prober:
         )
         name = "probe-" + hashlib.sha256(key.encode()).hexdigest()[:10]
         result = self.runner.run(spec, name)
-        losses = result.losses if result.status == "ok" else []
-        error = "" if result.status == "ok" else f"{result.status}: {result.error}"[:300]
-        self._store(key, {"losses": losses, "error": error})
-        return losses or None, error
+        if result.status != "ok" or not result.losses:
+            # not cached: a probe that failed (a busy machine, a lost job) is tried again later
+            return None, f"{result.status}: {result.error}"[:300]
+        self._store(key, {"losses": result.losses})
+        return result.losses, ""
 
     def judge(self, config: dict[str, Any], tolerance: float) -> LossVerdict:
         s = self.settings

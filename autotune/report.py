@@ -3,9 +3,12 @@ summary linking them. Rendered with matplotlib's Agg backend (no display needed)
 
 from __future__ import annotations
 
+import base64
 import html
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -15,41 +18,50 @@ import itertools
 
 import matplotlib.pyplot as plt
 import optuna
+from matplotlib.figure import Figure
 
 from autotune.display import describe
-from autotune.ladder import Ladder, build_ladder, ladder_cells
+from autotune.ladder import Ladder, build_ladder, ladder_cells, pending_note
 from autotune.selector import Row, Selection, select
 from autotune.space import SearchSpace
 from autotune.study import settings_of
 from autotune.units import format_size
 
 MIB = 2**20
-#: memory breakdown keys in stacking order, with their legend labels and colours
-PARTS: dict[str, tuple[str, str]] = {
-    "parameters": ("parameters", "#4c72b0"),
-    "gradients": ("gradients", "#55a868"),
-    "optimizer_states": ("optimizer states", "#dd8452"),
-    "activations": ("activations", "#c44e52"),
-    "activations_and_other": ("activations and other", "#c44e52"),
-    "other": ("other", "#8c8c8c"),
+#: the device's parts of a peak, in stacking order: label, colour, hatch (the hatch keeps the
+#: parts apart in grey-scale)
+PARTS: dict[str, tuple[str, str, str]] = {
+    "parameters": ("parameters", "#4c72b0", ""),
+    "gradients": ("gradients", "#55a868", "//"),
+    "optimizer_states": ("optimizer states", "#dd8452", ".."),
+    "activations": ("activations", "#c44e52", "xx"),
+    "other": ("other (temporaries, logits, buffers)", "#b0b0b0", "--"),
+    "activations_and_other": ("activations and other (not split)", "#937860", "\\\\"),
+    "unsplit": ("not split (older trial)", "#dddddd", "oo"),
 }
+#: breakdown keys of other sources, folded into the parts above (the estimator's names; older
+#: trials' single "device" count); ``host_offloaded`` is host memory, drawn apart
+FOLD = {"logits/loss": "other", "temporaries": "other", "device": "unsplit"}
+HOST_KEY = "host_offloaded"
 LADDER_COLUMNS = (
     "step",
     "adds",
     "peak",
     "fits",
-    "saved",
+    "peak_change",
     "alone",
     "tok/s",
-    "speed",
+    "speed_change",
     "loss",
     "trial",
 )
 COLUMN_TITLES = {
-    "saved": "saved vs step below",
+    "peak": "peak memory",
+    "peak_change": "change vs rung below",
     "alone": "saved on baseline alone",
-    "speed": "speed vs step below",
-    "loss": "loss vs reference",
+    "tok/s": "tokens/s",
+    "speed_change": "change vs rung below",
+    "loss": "loss (vs the reference, or probed)",
 }
 
 
@@ -63,73 +75,105 @@ class Report:
     ladder: Ladder
 
 
+def device_parts(breakdown: dict[str, int] | None) -> dict[str, int]:
+    """A trial's breakdown as the device parts of ``PARTS`` (host memory left out)."""
+    parts: dict[str, int] = {}
+    for key, value in (breakdown or {}).items():
+        if key == HOST_KEY:
+            continue
+        part = FOLD.get(key, key if key in PARTS else "other")
+        parts[part] = parts.get(part, 0) + int(value)
+    return parts
+
+
 def _ran_to_end(r: Row) -> bool:
     return r.tokens_per_s > 0 and r.peak_bytes > 0 and r.status in ("ok", "oom")
 
 
-def pareto_plot(sel: Selection, ladder: Ladder | None, path: Path, title: str) -> Path:
-    """Tokens/s against peak memory: every trial, the budget, the front, the winner, the ladder."""
+#: the kinds of trial on the Pareto plot: label, marker, colour (shapes differ, for grey-scale)
+KINDS: dict[str, tuple[str, str, str]] = {
+    "fits": ("fits the budget", "o", "#4c72b0"),
+    "over": ("over the budget (ran unbounded)", "s", "#c44e52"),
+    "regressed": ("fits, loss regressed", "^", "#dd8452"),
+    "oom": ("out of memory (stopped)", "X", "#c44e52"),
+    "failed": ("failed (nothing measured)", "D", "#7f7f7f"),
+}
+
+
+def trial_kind(r: Row, budget: int) -> str | None:
+    """Which kind of point a trial is on the Pareto plot (``None``: still running)."""
+    if r.status == "failed":
+        return "failed"
+    if r.status not in ("ok", "oom"):
+        return None
+    if not _ran_to_end(r):
+        return "oom"
+    if r.peak_bytes > budget:
+        return "over"
+    if r.loss_ok is False:
+        return "regressed"
+    return "fits"
+
+
+def pareto_figure(sel: Selection, ladder: Ladder | None, title: str) -> Figure:
+    """Tokens/s against peak memory: every trial (OOM and failed ones on the zero line), the
+    budget, the front, the winner, the ladder. Predicted trials are hollow markers."""
     budget_mib = sel.budget_bytes / MIB
-    fig, ax = plt.subplots(figsize=(10.5, 5.5), dpi=110)
-    groups: dict[str, tuple[list[Row], dict[str, str]]] = {
-        "fits": ([], {"marker": "o", "color": "#4c72b0"}),
-        "over the budget (true peak)": ([], {"marker": "X", "color": "#c44e52"}),
-        "loss regressed": ([], {"marker": "^", "color": "#dd8452"}),
-        "OOM, stopped at the budget": ([], {"marker": "x", "color": "#c44e52"}),
-    }
-    rows = [r for r in sel.rows if r.duplicate_of is None and r.peak_bytes > 0]
-    for r in rows:
-        if r.status == "oom" and not _ran_to_end(r):
-            groups["OOM, stopped at the budget"][0].append(r)
-        elif not _ran_to_end(r):
-            continue
-        elif r.peak_bytes > sel.budget_bytes:
-            groups["over the budget (true peak)"][0].append(r)
-        elif r.loss_ok is False:
-            groups["loss regressed"][0].append(r)
-        else:
-            groups["fits"][0].append(r)
-    for label, (members, style) in groups.items():
+    fig, ax = plt.subplots(figsize=(10.5, 5.8), dpi=110)
+    rows = [r for r in sel.rows if r.duplicate_of is None and trial_kind(r, sel.budget_bytes)]
+    peaks = [r.peak_bytes / MIB for r in rows if r.peak_bytes > 0] + [budget_mib]
+    x_lo, x_hi = min(peaks) * 0.9, max(peaks) * 1.08
+    top = max([r.speed for r in rows] + [1.0]) * 1.25
+
+    def where(r: Row) -> tuple[float, float]:
+        x = r.peak_bytes / MIB if r.peak_bytes > 0 else x_lo + (x_hi - x_lo) * 0.02
+        return x, (r.speed if _ran_to_end(r) else 0.0)
+
+    for kind, (label, marker, color) in KINDS.items():
         for predicted in (False, True):
-            part = [r for r in members if r.predicted == predicted]
+            part = [r for r in rows if trial_kind(r, sel.budget_bytes) == kind]
+            part = [r for r in part if r.predicted == predicted]
             if not part:
                 continue
-            face = "none" if predicted or style["marker"] in ("x",) else style["color"]
+            pts = [where(r) for r in part]
             ax.scatter(
-                [r.peak_bytes / MIB for r in part],
-                [r.tokens_per_s for r in part],
-                marker=str(style["marker"]),
-                s=60,
-                facecolors=face,
-                edgecolors=style["color"],
-                linewidths=1.5,
-                label=label + (" (estimated)" if predicted else ""),
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                marker=marker,
+                s=70,
+                facecolors="none" if predicted else color,
+                edgecolors=color if predicted else "black",
+                linewidths=1.6 if predicted else 0.6,
+                label=f"{label}{' (predicted)' if predicted else ''}: {len(part)}",
                 zorder=3,
+                clip_on=False,
             )
     for r in rows:  # trial numbers, to find a point in `autotune show`
-        y = r.tokens_per_s if _ran_to_end(r) else 0.0
         ax.annotate(
             f"#{r.number}",
-            (r.peak_bytes / MIB, y),
+            where(r),
             textcoords="offset points",
             xytext=(5, 4),
             fontsize=7,
-            color="#666666",
+            color="#555555",
         )
     front = [r for r in sel.pareto if _ran_to_end(r)]
-    if len(front) > 1:
+    if front:
+        xs = [r.peak_bytes / MIB for r in front]
+        ys = [r.speed for r in front]
         ax.step(
-            [r.peak_bytes / MIB for r in front],
-            [r.tokens_per_s for r in front],
+            [*xs, x_hi],
+            [*ys, ys[-1]],
             where="post",
-            color="#4c72b0",
-            alpha=0.4,
-            linewidth=1,
-            label="Pareto front",
+            color="black",
+            linewidth=1.6,
+            linestyle=(0, (5, 2)),
+            label="Pareto front (fastest for its memory)",
+            zorder=2,
         )
     if ladder is not None:
         path_pts = [
-            (s.row.peak_bytes / MIB, s.row.tokens_per_s)
+            (s.row.peak_bytes / MIB, s.row.speed)
             for s in ladder.steps
             if s.measured and s.row is not None and _ran_to_end(s.row)
         ]
@@ -142,116 +186,245 @@ def pareto_plot(sel: Selection, ladder: Ladder | None, path: Path, title: str) -
                 zorder=2,
             )
         if len(path_pts) > 1:
-            ax.plot([], [], color="#555555", linewidth=1, label="ablation ladder")
-        first = ladder.steps[0].row
-        if first is not None and ladder.steps[0].measured and _ran_to_end(first):
-            ax.annotate(
-                "baseline",
-                (first.peak_bytes / MIB, first.tokens_per_s),
-                textcoords="offset points",
-                xytext=(6, -12),
-                fontsize=8,
-                color="#555555",
-            )
-    ax.axvline(
+            ax.plot([], [], color="#555555", linewidth=1, label="ablation ladder (arrows)")
+    ax.axvline(budget_mib, color="#c44e52", linestyle="--", linewidth=1.4)
+    ax.axvspan(
         budget_mib,
-        color="#c44e52",
-        linestyle="--",
-        linewidth=1.2,
-        label=f"budget {format_size(sel.budget_bytes)}",
+        x_hi,
+        facecolor="#c44e52",
+        alpha=0.12,
+        hatch="//",
+        edgecolor="#c44e52",
+        linewidth=0,
+        label=f"over the budget ({format_size(sel.budget_bytes)})",
     )
+    ax.axhline(0, color="#999999", linewidth=0.8)
     if sel.winner is not None:
         w = sel.winner
         ax.scatter(
             [w.peak_bytes / MIB],
-            [w.tokens_per_s],
+            [w.speed],
             marker="*",
-            s=320,
+            s=480,
             color="#f2b701",
             edgecolors="black",
-            linewidths=0.8,
-            zorder=4,
-            label="winner",
+            linewidths=1.0,
+            zorder=5,
+            label=f"winner: trial {w.number}",
         )
-        xs_all = [r.peak_bytes / MIB for r in rows] + [budget_mib]
-        left_half = w.peak_bytes / MIB < (min(xs_all) + max(xs_all)) / 2
+        left_half = w.peak_bytes / MIB < (x_lo + x_hi) / 2
         ax.annotate(  # on the side with more room, so the box stays inside the axes
             f"winner #{w.number}\n{describe(w.config)}",
-            (w.peak_bytes / MIB, w.tokens_per_s),
+            (w.peak_bytes / MIB, w.speed),
             textcoords="offset points",
-            xytext=(14, 10) if left_half else (-10, 14),
+            xytext=(16, 10) if left_half else (-12, 14),
             ha="left" if left_half else "right",
             fontsize=8,
-            bbox={"boxstyle": "round,pad=0.3", "fc": "white", "ec": "#999999", "alpha": 0.9},
-            zorder=5,
+            fontweight="bold",
+            bbox={"boxstyle": "round,pad=0.3", "fc": "white", "ec": "black", "alpha": 0.95},
+            zorder=6,
         )
-    xs = [r.peak_bytes / MIB for r in rows] + [budget_mib]
-    ax.set_xlim(min(xs) * 0.9, max(xs) * 1.08)
-    ax.set_ylim(bottom=0, top=max([r.tokens_per_s for r in rows] + [1.0]) * 1.25)
-    ax.set_xlabel("peak memory (MiB)")
-    ax.set_ylabel("throughput (tokens/s)")
-    n_failed = sum(r.status == "failed" for r in sel.rows)
-    ax.set_title(title + (f"  ({n_failed} failed, not shown)" if n_failed else ""), fontsize=10)
+    ax.set_xlim(x_lo, x_hi)
+    ax.set_ylim(bottom=-top * 0.06, top=top)
+    ax.set_xlabel("peak device memory (MiB)")
+    ax.set_ylabel("throughput (tokens/s); 0: no measurement")
+    ax.set_title(title, fontsize=10)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), framealpha=0.9)
     fig.tight_layout()
+    return fig
+
+
+def pareto_plot(sel: Selection, ladder: Ladder | None, path: Path, title: str) -> Path:
+    fig = pareto_figure(sel, ladder, title)
     fig.savefig(path)
     plt.close(fig)
     return path
 
 
-def memory_plot(ladder: Ladder, path: Path, title: str) -> Path | None:
-    """Stacked memory breakdown of each measured rung, the winner last; ``None`` without data."""
-    bars: list[tuple[str, Row]] = [
+@dataclass
+class Bar:
+    """One trial's bar in the memory picture."""
+
+    label: str
+    row: Row
+    construction_peak: int = 0
+    host_offloaded: int = 0  # the bytes offloaded to host memory at most (ZeRO offload)
+
+    @property
+    def host_peak(self) -> int:
+        """The job's host memory peak (resident set; what --host-memory limits), or where a
+        trial recorded none, the offloaded bytes alone."""
+        return max(self.row.host_peak_bytes, self.host_offloaded)
+
+
+def memory_bars(sel: Selection, ladder: Ladder, attrs: dict[int, dict[str, Any]]) -> list[Bar]:
+    """The ladder's measured rungs (the winner last); without a ladder, the Pareto front and the
+    winner. Trials without a breakdown are left out."""
+    chosen: list[tuple[str, Row]] = [
         (("baseline" if i == 0 else f"+{s.added}"), s.row)
         for i, s in enumerate(ladder.steps)
         if s.row is not None and s.row.memory_breakdown
     ]
-    if not bars and ladder.target is not None and ladder.target.memory_breakdown:
-        bars = [(f"trial #{ladder.target.number}", ladder.target)]
-    if not bars:
-        return None
-    present = {k for _, r in bars for k in (r.memory_breakdown or {})}
-    keys = [k for k in PARTS if k in present] + sorted(present - set(PARTS))
-    fig, ax = plt.subplots(figsize=(1.2 * max(len(bars), 3) + 4.5, 5), dpi=110)
+    if not chosen:
+        chosen = [(f"#{r.number}", r) for r in sel.pareto if r.memory_breakdown][:8]
+    w = sel.winner
+    if w is not None and w.memory_breakdown and all(r.number != w.number for _, r in chosen):
+        chosen.append((f"#{w.number}", w))
+    bars = []
+    for label, r in chosen:
+        a = attrs.get(r.number, {})
+        if sel.winner is not None and r.number == sel.winner.number:
+            label += "\n(winner)"
+        offloaded = int((r.memory_breakdown or {}).get(HOST_KEY) or 0)
+        bars.append(Bar(label, r, int(a.get("construction_peak_bytes") or 0), offloaded))
+    return bars
+
+
+def memory_figure(bars: list[Bar], budget_bytes: int, host_limit: int | None, title: str) -> Figure:
+    """Left: the device peak of each bar split by part, against the device budget, with the
+    construction peak marked. Right, on its own axis: the same trials' host memory peak (the
+    job's resident set) with the part offloaded to it, against the host limit when one is set
+    (a limit far above the bars, such as this machine's whole memory, is named, not drawn)."""
+    fig, (ax, hx) = plt.subplots(
+        1,
+        2,
+        figsize=(1.3 * max(len(bars), 3) + 6.5, 5.4),
+        dpi=110,
+        gridspec_kw={"width_ratios": [3, 1]},
+    )
+    present = {k for b in bars for k in device_parts(b.row.memory_breakdown)}
+    keys = [k for k in PARTS if k in present]
     x = list(range(len(bars)))
     bottom = [0.0] * len(bars)
     for key in keys:
-        values = [(r.memory_breakdown or {}).get(key, 0) / MIB for _, r in bars]
-        label, color = PARTS.get(key, (key.replace("_", " "), "#bbbbbb"))
-        ax.bar(x, values, bottom=bottom, label=label, color=color, width=0.6)
+        values = [device_parts(b.row.memory_breakdown).get(key, 0) / MIB for b in bars]
+        label, color, hatch = PARTS[key]
+        ax.bar(
+            x,
+            values,
+            bottom=bottom,
+            label=label,
+            color=color,
+            hatch=hatch,
+            width=0.6,
+            edgecolor="black",
+            linewidth=0.5,
+        )
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
-    top = max([*bottom, ladder.budget_bytes / MIB])
-    for i, (_, r) in enumerate(bars):
-        tag = " (est.)" if r.predicted else ""
+    built = [(i, b.construction_peak / MIB) for i, b in enumerate(bars) if b.construction_peak]
+    if built:
+        ax.scatter(
+            [i for i, _ in built],
+            [v for _, v in built],
+            marker="_",
+            s=900,
+            linewidths=2.5,
+            color="black",
+            zorder=4,
+            label="construction peak (model built, before the first step)",
+        )
+    budget_mib = budget_bytes / MIB
+    top = max([*bottom, budget_mib, *(v for _, v in built)]) * 1.15
+    for i, b in enumerate(bars):
+        tag = " (pred.)" if b.row.predicted else ""
         ax.text(
             i,
-            bottom[i] - top * 0.01,
-            f"{format_size(r.peak_bytes)}{tag}",
+            bottom[i] + top * 0.01,
+            f"{format_size(b.row.peak_bytes)}{tag}",
             ha="center",
-            va="top",
-            color="white",
-            fontweight="bold",
+            va="bottom",
             fontsize=8,
+            fontweight="bold",
         )
     ax.axhline(
-        ladder.budget_bytes / MIB,
+        budget_mib,
         color="#c44e52",
         linestyle="--",
-        linewidth=1.2,
-        label=f"budget {format_size(ladder.budget_bytes)}",
+        linewidth=1.4,
+        label=f"device budget {format_size(budget_bytes)}",
     )
-    labels = [name for name, _ in bars]
-    if ladder.target is not None and bars[-1][1].number == ladder.target.number:
-        labels[-1] += "\n(winner)"
-    ax.set_xticks(x, labels, fontsize=8, rotation=0 if len(bars) < 6 else 20)
+    labels = [b.label for b in bars]
+    ax.set_xticks(x, labels, fontsize=8, rotation=0 if len(bars) < 5 else 20)
     ax.set_xlim(-0.6, max(len(bars), 3) - 0.4)
-    ax.set_ylabel("memory at the peak (MiB)")
-    ax.set_ylim(0, max([*bottom, ladder.budget_bytes / MIB]) * 1.15)
+    ax.set_ylim(0, top)
+    ax.set_ylabel("device memory at the peak (MiB)")
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), framealpha=0.9)
     ax.grid(True, axis="y", alpha=0.3)
-    fig.tight_layout()
+
+    hosts = [b.host_peak / MIB for b in bars]
+    offloaded = [b.host_offloaded / MIB for b in bars]
+    hx.bar(
+        x,
+        hosts,
+        color="#c9c3e0",
+        edgecolor="black",
+        linewidth=0.5,
+        width=0.6,
+        label="host memory peak (the job's resident set)",
+    )
+    if any(offloaded):
+        hx.bar(
+            x,
+            offloaded,
+            color="#8172b3",
+            hatch="++",
+            edgecolor="black",
+            linewidth=0.5,
+            width=0.6,
+            label="of which offloaded (ZeRO offload)",
+        )
+    h_top = max([*hosts, 1.0]) * 1.15
+    if host_limit and host_limit / MIB <= 4 * h_top:
+        h_top = max(h_top, host_limit / MIB * 1.15)
+        hx.axhline(
+            host_limit / MIB,
+            color="#c44e52",
+            linestyle=":",
+            linewidth=1.4,
+            label=f"host limit {format_size(host_limit)}",
+        )
+    elif host_limit:  # drawn, it would flatten the bars
+        hx.text(
+            0.5,
+            0.97,
+            f"host limit {format_size(host_limit)}\n(above the axis)",
+            transform=hx.transAxes,
+            ha="center",
+            va="top",
+            fontsize=8,
+            color="#c44e52",
+        )
+    if not any(hosts):
+        hx.text(
+            0.5,
+            0.5,
+            "no host memory\nrecorded",
+            transform=hx.transAxes,
+            ha="center",
+            va="center",
+            fontsize=9,
+            color="#555555",
+        )
+    hx.set_xticks(x, [f"#{b.row.number}" for b in bars], fontsize=8)
+    hx.set_ylim(0, h_top)
+    hx.set_ylabel("host memory (MiB)")
+    hx.set_title("host (own axis)", fontsize=10)
+    hx.grid(True, axis="y", alpha=0.3)
+    handles, names = ax.get_legend_handles_labels()
+    h2, n2 = hx.get_legend_handles_labels()
+    fig.legend(handles + h2, names + n2, fontsize=8, loc="lower center", ncol=3, framealpha=0.9)
+    fig.tight_layout(rect=(0, 0.16, 1, 1))
+    return fig
+
+
+def memory_plot(
+    bars: list[Bar], budget_bytes: int, host_limit: int | None, path: Path, title: str
+) -> Path | None:
+    """The memory picture as a PNG; ``None`` when no trial recorded a breakdown."""
+    if not bars:
+        return None
+    fig = memory_figure(bars, budget_bytes, host_limit, title)
     fig.savefig(path)
     plt.close(fig)
     return path
@@ -270,7 +443,7 @@ def _summary_lines(study: optuna.Study, sel: Selection) -> list[str]:
         w = sel.winner
         lines.append(
             f"winner: trial {w.number}: {describe(w.config)}, peak {format_size(w.peak_bytes)}, "
-            f"{w.tokens_per_s:,.0f} tokens/s"
+            f"{w.speed:,.0f} tokens/s"
             + (f", host memory {format_size(w.host_peak_bytes)}" if w.host_peak_bytes else "")
         )
     else:
@@ -281,21 +454,67 @@ def _summary_lines(study: optuna.Study, sel: Selection) -> list[str]:
 def _ladder_note(ladder: Ladder) -> str:
     if ladder.target is None:
         return "No winner yet, so no ladder."
-    if not ladder.complete:
-        return (
-            f"{len(ladder.missing)} configuration(s) of the ladder are not measured yet; the order "
-            "below is provisional. `autotune run --ladder` (or `autotune resume --ladder`) "
-            "measures them."
-        )
-    return (
-        "Each rung adds the technique that helps most from the rung below: while over the "
-        "budget the biggest saving, once within it the fastest that still fits. Rungs ran "
-        "without the budget, so an over-budget peak is the true one."
+    text = (
+        "Cumulative, as in torchtune's README: each rung keeps every technique above it and "
+        "adds the one that helps most from the rung below (over the budget the biggest saving, "
+        "within it the fastest that still fits). Rungs run without the budget, so an "
+        "over-budget peak is the true one."
     )
+    if not ladder.complete:
+        text += " The order below the first rung still to measure is provisional."
+    return text
+
+
+#: the per-trial table of the HTML report: every trial's peak split by part
+TRIAL_COLUMNS = (
+    "#",
+    "status",
+    "config",
+    "peak",
+    "construction",
+    *(k for k in PARTS if k not in ("activations_and_other", "unsplit")),
+    "host",
+    "offloaded",
+    "tokens/s",
+)
+
+
+def trial_cells(sel: Selection, attrs: dict[int, dict[str, Any]]) -> list[dict[str, str]]:
+    out = []
+    for r in sel.rows:
+        a = attrs.get(r.number, {})
+        parts = device_parts(r.memory_breakdown)
+        offloaded = int((r.memory_breakdown or {}).get(HOST_KEY) or 0)
+        status = r.status + (" (predicted)" if r.predicted else "")
+        if sel.winner is not None and r.number == sel.winner.number:
+            status += " ★ winner"
+        cell = {
+            "#": str(r.number),
+            "status": status,
+            "config": describe(r.config),
+            "peak": format_size(r.peak_bytes) if r.peak_bytes else "-",
+            "construction": format_size(int(a["construction_peak_bytes"]))
+            if a.get("construction_peak_bytes")
+            else "-",
+            "host": format_size(r.host_peak_bytes) if r.host_peak_bytes else "-",
+            "offloaded": format_size(offloaded) if offloaded else "-",
+            "tokens/s": f"{r.tokens_per_s:,.0f}" if r.tokens_per_s else "-",
+        }
+        for k in TRIAL_COLUMNS[5:-3]:
+            cell[k] = format_size(parts[k]) if parts.get(k) else "-"
+        if "activations_and_other" in parts:
+            cell["activations"] = format_size(parts["activations_and_other"]) + " (with other)"
+        out.append(cell)
+    return out
 
 
 def write_markdown(
-    path: Path, study: optuna.Study, sel: Selection, ladder: Ladder, pngs: dict[str, Path | None]
+    path: Path,
+    study: optuna.Study,
+    sel: Selection,
+    ladder: Ladder,
+    pngs: dict[str, Path | None],
+    pending: str,
 ) -> Path:
     cells = ladder_cells(ladder)
     lines = [f"# autotune report: study `{study.study_name}`", ""]
@@ -312,6 +531,8 @@ def write_markdown(
     lines.append("|" + "---|" * len(LADDER_COLUMNS))
     for cell in cells:
         lines.append("| " + " | ".join(cell[c] for c in LADDER_COLUMNS) + " |")
+    if pending:
+        lines += ["", pending]
     memory = pngs.get("memory")
     lines += ["", "## Memory breakdown", ""]
     lines.append(
@@ -330,45 +551,97 @@ def write_markdown(
     return path
 
 
-def write_html(
-    path: Path, study: optuna.Study, sel: Selection, ladder: Ladder, pngs: dict[str, Path | None]
-) -> Path:
+def _data_uri(png: Path) -> str:
+    return "data:image/png;base64," + base64.b64encode(png.read_bytes()).decode("ascii")
+
+
+def _html_table(
+    columns: Sequence[str], cells: list[dict[str, str]], titles: dict[str, str], table_id: str
+) -> str:
     e = html.escape
-    cells = ladder_cells(ladder)
-    head = "".join(f"<th>{e(COLUMN_TITLES.get(c, c))}</th>" for c in LADDER_COLUMNS)
+    head = "".join(f"<th>{e(titles.get(c, c))}</th>" for c in columns)
     body = "".join(
-        "<tr>" + "".join(f"<td>{e(cell[c])}</td>" for c in LADDER_COLUMNS) + "</tr>"
-        for cell in cells
+        "<tr>" + "".join(f"<td>{e(cell[c])}</td>" for c in columns) + "</tr>" for cell in cells
     )
+    return f"<table id='{table_id}'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def write_html(
+    path: Path,
+    study: optuna.Study,
+    sel: Selection,
+    ladder: Ladder,
+    pngs: dict[str, Path | None],
+    pending: str,
+    trials: list[dict[str, str]],
+) -> Path:
+    """One self-contained page (the PNGs embedded as data: URIs), to send as it is."""
+    e = html.escape
     items = "".join(f"<li>{e(line)}</li>" for line in _summary_lines(study, sel))
-    imgs = {k: (f'<img src="{e(p.name)}" alt="{k}">' if p else "") for k, p in pngs.items()}
+    alts = {"pareto": "throughput against peak memory", "memory": "memory at the peak by part"}
+    imgs = {
+        k: (f'<img id="{k}" src="{_data_uri(p)}" alt="{alts.get(k, k)}">' if p else "")
+        for k, p in pngs.items()
+    }
+    ladder_html = _html_table(LADDER_COLUMNS, ladder_cells(ladder), COLUMN_TITLES, "ladder")
+    titles = {
+        "construction": "construction peak",
+        "optimizer_states": "optimizer states",
+        "host": "host memory peak",
+        "offloaded": "offloaded to host",
+    }
+    trials_html = _html_table(TRIAL_COLUMNS, trials, titles, "trials")
     path.write_text(
-        "<!doctype html><html><head><meta charset='utf-8'>"
+        "<!doctype html><html lang='en'><head><meta charset='utf-8'>"
         f"<title>autotune: {e(study.study_name)}</title><style>"
-        "body{font-family:sans-serif;max-width:1000px;margin:2em auto}"
-        "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:3px 8px;"
-        "text-align:right}img{max-width:100%}</style></head><body>"
+        "body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}"
+        "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;"
+        "padding:3px 8px;text-align:right}th{background:#f3f3f3}img{max-width:100%}"
+        "td:nth-child(2),td:nth-child(3){text-align:left}</style></head><body>"
         f"<h1>autotune report: {e(study.study_name)}</h1><ul>{items}</ul>"
         f"<h2>Speed against memory</h2>{imgs.get('pareto', '')}"
-        f"<h2>Ablation ladder</h2><p>{e(_ladder_note(ladder))}</p>"
-        f"<table><tr>{head}</tr>{body}</table>"
-        f"<h2>Memory breakdown</h2>{imgs.get('memory', '') or 'not recorded by this backend'}"
+        f"<h2>Ablation ladder</h2><p>{e(_ladder_note(ladder))}</p>{ladder_html}"
+        + (f"<p id='pending'>{e(pending)}</p>" if pending else "")
+        + f"<h2>Memory breakdown</h2>"
+        f"{imgs.get('memory', '') or '<p>not recorded by this backend</p>'}"
+        f"<h2>Every trial</h2>{trials_html}"
         "</body></html>\n"
     )
     return path
 
 
+def measured_seconds(study: optuna.Study) -> list[float]:
+    """Wall times of the trials that really ran (not predicted, not reused)."""
+    return [
+        float(t.user_attrs["wall_s"])
+        for t in study.get_trials(deepcopy=False)
+        if t.user_attrs.get("wall_s")
+        and not t.user_attrs.get("predicted")
+        and "duplicate_of" not in t.user_attrs
+    ]
+
+
 def write_report(study: optuna.Study, out_dir: Path) -> Report:
     """Everything ``autotune report`` writes, from the database alone (nothing is run)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    space = SearchSpace.from_dict(settings_of(study).space, "study")
+    settings = settings_of(study)
+    space = SearchSpace.from_dict(settings.space, "study")
     sel = select(study)
     ladder = build_ladder(study, space)
+    attrs = {t.number: t.user_attrs for t in study.get_trials(deepcopy=False)}
     pareto = pareto_plot(sel, ladder, out_dir / "pareto.png", f"study {study.study_name}")
+    host_limit = settings.host_budget_bytes or None  # 0: unlimited
     memory = memory_plot(
-        ladder, out_dir / "memory.png", "memory at the peak, by part, along the ablation ladder"
+        memory_bars(sel, ladder, attrs),
+        sel.budget_bytes,
+        host_limit,
+        out_dir / "memory.png",
+        "device memory at the peak, by part",
     )
     pngs: dict[str, Path | None] = {"pareto": pareto, "memory": memory}
-    md = write_markdown(out_dir / "report.md", study, sel, ladder, pngs)
-    page = write_html(out_dir / "report.html", study, sel, ladder, pngs)
+    pending = pending_note(ladder, measured_seconds(study), study.study_name)
+    md = write_markdown(out_dir / "report.md", study, sel, ladder, pngs, pending)
+    page = write_html(
+        out_dir / "report.html", study, sel, ladder, pngs, pending, trial_cells(sel, attrs)
+    )
     return Report(out_dir, pareto, memory, md, page, ladder)

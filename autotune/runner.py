@@ -60,7 +60,7 @@ RANK_GRACE_S = 3.0
 POLL_S = 0.2
 
 
-def trial_env(base: dict[str, str], spec: TrialSpec) -> dict[str, str]:
+def trial_env(base: dict[str, str], spec: TrialSpec | None) -> dict[str, str]:
     """A trial job's environment: the caller's, without any distributed-job identity or the
     storage URL, with the allocator settings the trial config asks for (CUDA)."""
     env = {
@@ -75,7 +75,7 @@ def trial_env(base: dict[str, str], spec: TrialSpec) -> dict[str, str]:
             CONTROLLER_ENV: str(os.getpid()),  # the job ends itself if this process dies
         }
     )
-    if spec.backend == "cuda" and "expandable_segments" in spec.config:
+    if spec is not None and spec.backend == "cuda" and "expandable_segments" in spec.config:
         conf = alloc_conf_with(
             base.get(ALLOC_CONF_ENV, ""), bool(spec.config["expandable_segments"])
         )
@@ -181,7 +181,7 @@ class SubprocessRunner(TrialRunner):
             "torch.distributed.run",
             "--standalone",  # its own rendezvous on a free port, per trial
             f"--nproc-per-node={spec.nproc}",
-            "--monitor-interval=0.5",  # a failed rank ends the others within a second
+            "--monitor-interval=0.1",  # torchrun's default: a failed rank ends the others at once
             *cmd[1:],
         ]
 
@@ -211,6 +211,7 @@ class SubprocessRunner(TrialRunner):
                     status="failed",
                     error=f"timed out after {self.timeout_s:g}s",
                     stderr_tail=_tail(stderr_path),
+                    transient=True,
                     wall_s=time.perf_counter() - start,
                 )
             except BaseException:  # Ctrl-C or the controller dying: never leave the job behind
@@ -307,6 +308,9 @@ def merge_ranks(
                 capped=first.capped,
                 alloc_conf=first.alloc_conf,
                 host_peak_bytes=host_peak,
+                # what filled the worst rank's memory when it ran out
+                memory_breakdown=worst.memory_breakdown,
+                construction_breakdown=worst.construction_breakdown,
             )
     steps = min(len(r.losses) for r in results)
     return TrialResult(
@@ -319,6 +323,7 @@ def merge_ranks(
         rank_peaks=[r.peak_bytes for r in results],
         construction_peak_bytes=max(r.construction_peak_bytes for r in results),
         training_peak_bytes=max(r.training_peak_bytes for r in results),
+        construction_breakdown=worst.construction_breakdown,
         skipped_steps=max(r.skipped_steps for r in results),
         alloc_conf=worst.alloc_conf,
         device_memory=worst.device_memory,

@@ -22,6 +22,7 @@ from typing import Any
 import optuna
 from optuna.trial import TrialState
 
+from autotune.estimator.speed import MODEL_ERROR
 from autotune.lossguard import LossVerdict
 from autotune.study import settings_of
 from autotune.units import format_size
@@ -143,6 +144,16 @@ def decide(feasible: list[Row]) -> tuple[Row | None, list[Row], float]:
     """The winner among feasible rows, the rows it ties with, and the margin used."""
     if not feasible:
         return None, [], NOISE_FLOOR
+    if all(r.predicted for r in feasible):
+        # predictions have no noise: the fastest is named, as the estimate backend's own
+        # answer names it (``estimator.exhaustive.best_per_class``: then the least memory), and
+        # the ones within the speed model's error are its ties
+        best = min(feasible, key=lambda r: (-r.speed, r.peak_bytes, r.number))
+        floor = best.speed * (1 - MODEL_ERROR)
+        ties = sorted(
+            (r for r in feasible if r is not best and r.speed >= floor), key=lambda r: -r.speed
+        )
+        return best, ties, MODEL_ERROR
     best = max(feasible, key=lambda r: r.speed)
     contenders = [r for r in feasible if r.speed >= best.speed * (1 - margin_between(best, r))]
     winner = min(contenders, key=lambda r: (*simplicity(r.config), -r.speed, r.number))
@@ -238,9 +249,9 @@ def pareto_front(rows: list[Row]) -> list[Row]:
     front = []
     for r in ran:
         dominated = any(
-            o.tokens_per_s >= r.tokens_per_s
+            o.speed >= r.speed
             and o.peak_bytes <= r.peak_bytes
-            and (o.tokens_per_s > r.tokens_per_s or o.peak_bytes < r.peak_bytes)
+            and (o.speed > r.speed or o.peak_bytes < r.peak_bytes)
             for o in ran
         )
         if not dominated:

@@ -212,6 +212,13 @@ class SearchSpace:
         reference = {k: v for k, v in self.reference.items() if v in kept[k]}
         return SearchSpace(dims, _rules_within(self.rules, dims), reference, self.source, dropped)
 
+    def has_exact(self) -> bool:
+        """Whether some configuration of the space is exact (every dimension has an exact
+        choice), so that an exact reference can be trained."""
+        return all(
+            any(choice_fidelity(d.name, c) == "exact" for c in d.choices) for d in self.dimensions
+        )
+
     def restrict(self, allow: tuple[str, ...]) -> SearchSpace:
         """The same space with only the choices of the fidelity classes in ``allow``."""
         dims = [

@@ -255,6 +255,10 @@ def ensure_reference(study: optuna.Study, space: SearchSpace) -> None:
     if any(t.user_attrs.get("role") == "reference" for t in study.get_trials(deepcopy=False)):
         return
     config = study.user_attrs.get("reference_config")
+    if config is None and not space.has_exact():
+        # e.g. a bf16-only space: nothing to compare exact trials with; lossy ones go by the probe
+        study.set_user_attr("no_exact_reference", True)
+        return
     if config is None:
         try:
             config = least_memory_exact(space, settings_of(study))
@@ -276,6 +280,8 @@ def no_reference_why(study: optuna.Study) -> str:
         return f"the reference (trial {t.number}) has no curve: {error}"
     if settings_of(study).backend == "estimate":
         return "predicted, not trained (exact by construction)"
+    if study.user_attrs.get("no_exact_reference"):
+        return "the space has no exact configuration to train as the reference"
     return "no reference trial yet"
 
 
@@ -325,6 +331,7 @@ _RESULT_ATTRS = (
     "memory_breakdown",
     "stderr_tail",
     "rank_peaks",
+    "transient",
     "construction_peak_bytes",
     "training_peak_bytes",
     "oom_rank",
@@ -332,6 +339,7 @@ _RESULT_ATTRS = (
     "skipped_steps",
     "alloc_conf",
     "device_memory",
+    "construction_breakdown",
     "host_peak_bytes",
     "step_time_s",
     "step_spread",
@@ -341,8 +349,13 @@ _RESULT_ATTRS = (
 
 def deterministic_failure(result: TrialResult) -> bool:
     """A failure the same configuration would hit again (an exception in the job, an
-    unsupported combination, a crash), unlike a time limit, which a busy machine can cause."""
-    return result.status == "failed" and not result.error.startswith("timed out")
+    unsupported combination, a crash), unlike a time limit, which a busy machine can cause, or
+    a scheduler's verdict on the job (``TrialResult.transient``)."""
+    return (
+        result.status == "failed"
+        and not result.transient
+        and not result.error.startswith("timed out")
+    )
 
 
 class ResultNotStored(Exception):

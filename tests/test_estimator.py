@@ -9,6 +9,7 @@ from pathlib import Path
 import optuna
 import pytest
 
+from autotune.display import describe
 from autotune.errors import UserError
 from autotune.estimator.analytical import AnalyticalEstimator
 from autotune.estimator.gpus import GPUS, default_gpu, gpu_spec
@@ -200,6 +201,11 @@ def test_cli_run_llama7b_24gb_without_a_gpu(in_tmp: Path, monkeypatch: pytest.Mo
     # every trial carries its predicted host memory; the class bests were recorded as trials
     assert all(t.user_attrs["host_peak_bytes"] > 0 for t in fits)
     assert sum(t.user_attrs.get("role") == "class-best" for t in done) >= 2
+    # show/export name the configuration the run printed as its answer (the printed line comes
+    # from scoring the whole space, show's winner from the selector over the recorded trials)
+    shown = json.loads(cli("show", "--json").output)
+    winner = next(r for r in shown["trials"] if r["number"] == shown["winner"])
+    assert answer.startswith(f"{winner['fidelity']}): {describe(winner['config'])}: peak")
     shown = cli("show", "--json")
     assert shown.exit_code == 0
     assert json.loads(shown.output)

@@ -21,14 +21,14 @@ from autotune.lossguard import (
     proxy_config,
 )
 from autotune.models import REGISTRY
-from autotune.runner import TrialRunner
+from autotune.runner import SubprocessRunner, TrialRunner
 from autotune.space import SearchSpace
-from autotune.study import ensure_reference, least_memory_exact, settings_of
+from autotune.study import ensure_reference, least_memory_exact, no_reference_why, settings_of
 from tests.conftest import cli, tiny_spec
 from tests.studies import make_study
 from trials.job import run_trial
 from trials.spec import TrialResult, TrialSpec
-from trials.techniques import classes_up_to, fidelity_class
+from trials.techniques import classes_up_to, fidelity_class, numerics_of
 
 STEPS = 30
 
@@ -50,8 +50,8 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
-def _prober(runner: TrialRunner, model: str = "tiny-llama") -> Prober:
-    return Prober(REGISTRY[model].config, ProbeSettings(STEPS, 2, 3e-3, "cpu"), runner)
+def _prober(runner: TrialRunner, model: str = "tiny-llama", steps: int = STEPS) -> Prober:
+    return Prober(REGISTRY[model].config, ProbeSettings(steps, 2, 3e-3, "cpu"), runner)
 
 
 def test_probe_verdict_is_the_seed_paired_final_loss_difference(cache: Path) -> None:
@@ -102,6 +102,19 @@ def test_probes_are_cached_per_family(cache: Path) -> None:
     assert _prober(again).judge({"precision": "bf16", "zero_stage": 2}, 0.02) == a
     assert len(again.specs) == 2
     assert model_family(REGISTRY["tiny-llama"].config) == model_family(REGISTRY["llama-7b"].config)
+
+
+def test_a_failed_probe_is_not_cached(cache: Path, tmp_path: Path) -> None:
+    """A probe that fails (here a real time limit: the job cannot start in 0.5 s) says why and is
+    not cached: a later run probes again instead of saying "no probe" for good."""
+    plain = numerics_of({})
+    slow = SubprocessRunner(tmp_path / "runs", timeout_s=0.5)
+    failed, why = _prober(slow, steps=3).curve(plain, 0)
+    assert failed is None and "timed out" in why
+    again = InProcessRunner()
+    losses, why = _prober(again, steps=3).curve(plain, 0)
+    assert losses and why == "" and len(again.specs) == 1
+    assert _prober(InProcessRunner(), steps=3).curve(plain, 0) == (losses, "")  # now cached
 
 
 def test_exact_configurations_are_checked_against_the_reference() -> None:
@@ -167,6 +180,26 @@ def test_reference_is_queued_once_even_when_it_failed(tmp_path: Path) -> None:
     ensure_reference(study, space)  # a later `run`: not queued again
     assert not study.get_trials(states=(optuna.trial.TrialState.WAITING,))
     assert "reference_config" in study.user_attrs
+
+
+def test_a_space_without_an_exact_configuration_has_no_reference(tmp_path: Path) -> None:
+    """A bf16-only space (as scripts/gpu_acceptance.sh searches) has nothing exact to train as
+    the reference: no reference is queued, the run goes on, and the verdicts say why."""
+    path = tmp_path / "bf16.yaml"
+    path.write_text(
+        "dimensions:\n  gradient_checkpointing:\n    choices: [full]\n"
+        "  precision:\n    choices: [bf16]\n  micro_batch_size:\n    choices: [8]\n"
+    )
+    study = make_study(f"sqlite:///{tmp_path / 'db.sqlite'}", "bf16", path)
+    space = SearchSpace.from_dict(settings_of(study).space, "study")
+    assert not space.has_exact()
+    ensure_reference(study, space)
+    assert not study.get_trials(deepcopy=False)
+    assert "no exact configuration" in no_reference_why(study)
+    # the tiny space has fp32: an exact reference exists there
+    from tests.conftest import DATA
+
+    assert SearchSpace.load(DATA / "tiny_space.yaml").has_exact()
 
 
 def test_allow_restricts_the_searched_classes() -> None:

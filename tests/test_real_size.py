@@ -267,6 +267,27 @@ def test_trial_env_drops_the_callers_world() -> None:
     assert not {k for k in env if k in CALLER and k != "PATH"}
 
 
+def test_a_slurm_job_gets_the_trial_env_without_the_controller(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """sbatch exports the environment it runs with: a Slurm trial's is a local trial's, without
+    an enclosing Slurm job's variables or the controller's pid (the job runs on another node),
+    with the trial's allocator settings."""
+    from autotune.launchers import slurm_env
+    from trials.lifeline import CONTROLLER_ENV
+
+    for key, value in {**CALLER, "SLURM_JOB_ID": "7", "SLURM_CONF": "/etc/slurm.conf"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv(CONTROLLER_ENV, "1")
+    spec = tiny_spec({"expandable_segments": True})
+    spec.backend = "cuda"
+    env = slurm_env(spec)
+    assert env["PATH"] == CALLER["PATH"] and env["SLURM_CONF"] == "/etc/slurm.conf"
+    assert not {k for k in env if k in CALLER and k != "PATH"}
+    assert "SLURM_JOB_ID" not in env and CONTROLLER_ENV not in env
+    assert "expandable_segments:True" in env["PYTORCH_CUDA_ALLOC_CONF"]
+
+
 def test_trial_runs_with_a_distributed_caller_env(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -118,13 +118,14 @@ def test_report_writes_non_trivial_plots_and_a_summary(study_dir: Path) -> None:
     assert "![Pareto plot](pareto.png)" in md and "![Memory breakdown](memory.png)" in md
     assert "| 0 | baseline |" in md and "winner: trial" in md
     html = (rep / "report.html").read_text()
-    assert '<img src="pareto.png"' in html and "<table>" in html
+    assert '<img id="pareto" src="data:image/png;base64,' in html and "<table id='ladder'>" in html
     out = (study_dir / "report.txt").read_text()
     assert "ablation ladder" in out and "wrote rep/pareto.png" in out
 
 
-def test_tables_fit_100_columns(study_dir: Path, monkeypatch: Any) -> None:
+def test_tables_fit_the_terminal(study_dir: Path, monkeypatch: Any) -> None:
     monkeypatch.chdir(study_dir)
+    monkeypatch.setenv("COLUMNS", "100")
     shown = cli("show")
     assert shown.exit_code == 0
     for text in (shown.output, (study_dir / "run.txt").read_text()):

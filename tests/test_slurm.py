@@ -24,7 +24,7 @@ from optuna.trial import TrialState
 
 from autotune.launchers import POLL_ENV, SLURM_JOB_ATTR
 from autotune.storage import HEARTBEAT_ENV
-from tests.conftest import SMALL_ARGS
+from tests.conftest import NO_PROBES, SMALL_ARGS
 
 TINY_SPACE = Path(__file__).parent / "data" / "tiny_space.yaml"
 STUDY = "tiny-llama-150MB-cpu"
@@ -56,7 +56,8 @@ def _autotune(*args: str, cwd: Path) -> subprocess.Popen[str]:
 def _run_args(n: int, storage: str, *extra: str) -> list[str]:
     return [
         "run", "--model", "tiny-llama", "--budget", "150MB", "--space", str(TINY_SPACE),
-        *SMALL_ARGS, "--trials", str(n), "--storage", storage, "--launcher", "slurm", *extra,
+        *SMALL_ARGS, *NO_PROBES, "--trials", str(n), "--storage", storage, "--launcher", "slurm",
+        *extra,
     ]  # fmt: skip
 
 

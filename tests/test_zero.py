@@ -87,6 +87,21 @@ def test_offloaded_states_leave_the_device_peak(
     # fp32 master partition + its gradient + two Adam moments, all on the host
     assert host >= 16 * n_params
     assert zero2.memory_breakdown["host_offloaded"] == 0
+
+
+def test_zero_breakdown_is_by_role_and_adds_up(
+    zero2: TrialResult, zero2_offload: TrialResult
+) -> None:
+    """DeepSpeed's buffers by role: the device parts sum to the device peak; without offload the
+    fp32 master partition and both Adam moments (12 B/param) are optimizer states on the device,
+    with offload they are on the host and the device keeps none of them."""
+    n_params = 7_358_720
+    for result in (zero2, zero2_offload):
+        device = {k: v for k, v in result.memory_breakdown.items() if k != "host_offloaded"}
+        assert sum(device.values()) == result.peak_bytes
+        assert device["parameters"] >= 4 * n_params  # the fp32 flat parameter group
+    assert zero2.memory_breakdown["optimizer_states"] >= 12 * n_params
+    assert zero2_offload.memory_breakdown["optimizer_states"] < n_params
     assert zero2.peak_bytes - zero2_offload.peak_bytes >= 8 * n_params
 
 

@@ -103,6 +103,29 @@ def test_merge_takes_worst_peak_and_sums_throughput() -> None:
     assert (oom.status, oom.peak_bytes, oom.error) == ("oom", 130, "out of memory")
 
 
+def test_merge_keeps_the_worst_ranks_split_and_sums_the_host() -> None:
+    """The budget is per rank, so the split shown is the worst rank's (also when it ran out of
+    memory); the ranks share the host, so its resident sets add up."""
+    a = TrialResult(
+        "ok", peak_bytes=100, losses=[1.0], memory_breakdown={"parameters": 100},
+        construction_peak_bytes=40, training_peak_bytes=100, host_peak_bytes=1000,
+    )  # fmt: skip
+    b = TrialResult(
+        "ok", peak_bytes=120, losses=[1.0], memory_breakdown={"parameters": 60, "other": 60},
+        construction_peak_bytes=50, training_peak_bytes=120,
+        construction_breakdown={"parameters": 50}, host_peak_bytes=3000,
+    )  # fmt: skip
+    merged = merge_ranks([a, b])
+    assert merged.memory_breakdown == {"parameters": 60, "other": 60}
+    assert (merged.construction_peak_bytes, merged.training_peak_bytes) == (50, 120)
+    assert merged.construction_breakdown == {"parameters": 50}
+    assert merged.host_peak_bytes == 4000
+    b.status = "oom"
+    oom = merge_ranks([a, b])
+    assert oom.status == "oom" and oom.memory_breakdown == {"parameters": 60, "other": 60}
+    assert oom.host_peak_bytes == 4000
+
+
 def test_rank_batches_split_the_same_tokens() -> None:
     spec = tiny_spec({}, global_batch_size=2)
     both = torch.cat([rank_batch(spec, 3, r, 2) for r in range(2)])

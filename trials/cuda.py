@@ -8,7 +8,6 @@ They take plain numbers and strings so the CPU test suite checks them; ``CudaMem
 from __future__ import annotations
 
 import os
-from typing import Any
 
 #: Out-of-memory errors raised outside the caching allocator (so not ``torch.OutOfMemoryError``):
 #: cuBLAS/cuBLASLt workspaces, cuDNN workspaces, NCCL buffers, raw ``cudaMalloc`` in extensions.
@@ -115,8 +114,3 @@ def measured_tokens(tokens_per_step: int, steps: int, skipped: int) -> int:
 def scaler_skipped(scale_before: float, scale_after: float) -> bool:
     """torch's ``GradScaler`` lowers its scale exactly when it skipped the optimizer step."""
     return scale_after < scale_before
-
-
-def device_record(extra: dict[str, Any]) -> dict[str, Any]:
-    """The CUDA numbers kept with a result (only those that were measured)."""
-    return {k: v for k, v in extra.items() if v is not None}

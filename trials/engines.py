@@ -31,6 +31,7 @@ from trials.zero import (
     uses_deepspeed,
     weight_dtype,
     zero3_init,
+    zero_roles,
 )
 
 
@@ -56,6 +57,16 @@ def trial_deepspeed_config(spec: TrialSpec) -> dict[str, Any]:
     cfg = spec.config
     precision = str(cfg.get("precision", "fp32"))
     return deepspeed_config(cfg, micro, accum, precision, world()[1], spec.lr, spec.backend)
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every tensor in the optimizer's per-parameter state (moments, step counters)."""
+    return [
+        v
+        for state in optimizer.state.values()
+        for v in state.values()
+        if isinstance(v, torch.Tensor)
+    ]
 
 
 class Engine(ABC):
@@ -106,6 +117,7 @@ class TorchEngine(Engine):
             self.model = nn.parallel.DistributedDataParallel(model, device_ids=ids)
         trainable = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = OPTIMIZERS[cfg.get("optimizer", "adamw")].factory(trainable, spec.lr)
+        monitor.tag("parameters", *model.parameters())
         precision = PRECISIONS[cfg.get("precision", "fp32")]
         self.autocast_dtype = precision.autocast_dtype
         self.scaler = torch.amp.GradScaler(device.type) if precision.loss_scaling else None
@@ -126,6 +138,7 @@ class TorchEngine(Engine):
                 loss.backward()
             total += float(loss.detach())
             del loss
+        self.monitor.tag("gradients", *(p.grad for p in self.model.parameters()))
         if self.scaler is not None:
             scale = self.scaler.get_scale()
             self.scaler.step(self.optimizer)
@@ -133,17 +146,15 @@ class TorchEngine(Engine):
             self.skipped += scaler_skipped(scale, self.scaler.get_scale())
         else:
             self.optimizer.step()
+        self.monitor.tag("optimizer_states", *optimizer_state_tensors(self.optimizer))
         self.optimizer.zero_grad(set_to_none=True)
         return total
 
     def breakdown(self, peak: int) -> dict[str, int]:
+        """Where the monitor does not attribute storages (CUDA): sizes of the model states,
+        the rest of the peak as activations and other."""
         params = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        states = sum(
-            v.numel() * v.element_size()
-            for s in self.optimizer.state.values()
-            for v in s.values()
-            if isinstance(v, torch.Tensor)
-        )
+        states = sum(t.numel() * t.element_size() for t in optimizer_state_tensors(self.optimizer))
         grads = params  # freed by zero_grad; at the peak they exist in full precision
         return {
             "parameters": params,
@@ -205,9 +216,14 @@ class DeepSpeedEngine(Engine):
             )
             self.model = model
             self._mark_offloaded()
+        self._tag_roles()
 
     def _mark_offloaded(self) -> None:
         self.monitor.mark_host(*offloaded_tensors(self.optimizer, self.model, self.spec.config))
+
+    def _tag_roles(self) -> None:
+        for role, tensors in zero_roles(self.optimizer, self.model).items():
+            self.monitor.tag(role, *tensors)
 
     def step(self, tokens: torch.Tensor) -> float:
         # with offload, the optimizer's host states appear in the first step, before they can
@@ -221,15 +237,28 @@ class DeepSpeedEngine(Engine):
         for ids in self.micro_batches(tokens):
             loss = self.engine(input_ids=ids, labels=ids).loss
             self.engine.backward(loss)  # scaled by 1/accumulation inside
+            self._tag_roles()  # gradients live until the step
             self.engine.step()  # the optimizer steps at the accumulation boundary only
             total += float(loss.detach()) / self.accum
             del loss
         self.skipped = int(getattr(self.engine, "skipped_steps", 0))  # fp16 overflow steps
         self._mark_offloaded()  # optimizer states appear at the first step
+        self._tag_roles()
         return total
 
     def breakdown(self, peak: int) -> dict[str, int]:
-        return {"device": peak, "host_offloaded": self.monitor.host_peak_bytes}
+        """Where the monitor does not attribute storages (CUDA): the sizes of DeepSpeed's
+        parameter and optimizer-state buffers, the rest of the peak as activations and other."""
+        sizes: dict[str, int] = {}
+        seen: set[int] = set()
+        for role in ("parameters", "optimizer_states"):
+            sizes[role] = 0
+            for t in zero_roles(self.optimizer, self.model)[role]:
+                if t.device.type == self.device.type and t.data_ptr() not in seen:
+                    seen.add(t.data_ptr())
+                    sizes[role] += t.untyped_storage().nbytes()
+        sizes["activations_and_other"] = max(0, peak - sum(sizes.values()))
+        return sizes
 
 
 ENGINES: dict[str, type[Engine]] = {"torch": TorchEngine, "deepspeed": DeepSpeedEngine}

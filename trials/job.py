@@ -19,6 +19,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -72,6 +73,20 @@ def build(spec: TrialSpec, device: torch.device, monitor: MemoryMonitor) -> nn.M
     return ENGINES[engine_for(spec.config)].build(spec, device, monitor)
 
 
+def _with_host(breakdown: dict[str, int], monitor: MemoryMonitor) -> dict[str, int]:
+    """The device's roles, and beside them ``host_offloaded``: host memory, not in the peak."""
+    return {**breakdown, "host_offloaded": monitor.host_peak_bytes}
+
+
+def _peaks(monitor: MemoryMonitor) -> dict[str, Any]:
+    """Construction and training peaks apart, and construction's breakdown."""
+    return {
+        "construction_peak_bytes": monitor.construction_peak_bytes,
+        "training_peak_bytes": monitor.training_peak_bytes,
+        "construction_breakdown": monitor.breakdown(construction=True),
+    }
+
+
 def run_trial(spec: TrialSpec) -> TrialResult:
     """One rank's trial. ``global_batch_size`` is per rank (the batch each rank trains on), so
     tokens/s here is this rank's; the runner sums the ranks."""
@@ -92,7 +107,7 @@ def run_trial(spec: TrialSpec) -> TrialResult:
             CHECKPOINTING[cfg.get("gradient_checkpointing", "off")](model, cfg)
             model = QUANTIZATION[str(cfg.get("quantization", "none"))](model, device)
             engine = ENGINES[engine_for(cfg)](model, spec, device, monitor)
-            monitor.end_construction()
+            monitor.end_construction()  # construction's peak is kept apart from training's
             for step in range(spec.warmup_steps):
                 losses.append(engine.step(rank_batch(spec, step, rank, n_ranks).to(device)))
                 monitor.sample()
@@ -122,8 +137,8 @@ def run_trial(spec: TrialSpec) -> TrialResult:
                 host_peak_bytes=host,
                 error=f"host memory {host} B is over the host budget {spec.host_budget_bytes} B",
                 wall_s=time.perf_counter() - start,
-                construction_peak_bytes=monitor.construction_peak_bytes,
-                training_peak_bytes=monitor.training_peak_bytes,
+                memory_breakdown=_with_host(monitor.breakdown(), monitor),
+                **_peaks(monitor),
                 oom_rank=rank,
                 alloc_conf=alloc_conf,
                 device_memory=monitor.extra(),
@@ -138,9 +153,8 @@ def run_trial(spec: TrialSpec) -> TrialResult:
             load_per_core=load,
             losses=losses,
             wall_s=time.perf_counter() - start,
-            memory_breakdown=engine.breakdown(peak),
-            construction_peak_bytes=monitor.construction_peak_bytes,
-            training_peak_bytes=monitor.training_peak_bytes,
+            memory_breakdown=_with_host(monitor.breakdown() or engine.breakdown(peak), monitor),
+            **_peaks(monitor),
             skipped_steps=skipped,
             alloc_conf=alloc_conf,
             device_memory=monitor.extra(),
@@ -154,8 +168,9 @@ def run_trial(spec: TrialSpec) -> TrialResult:
             losses=losses,
             error=str(exc).splitlines()[0][:500] if str(exc) else "out of memory",
             wall_s=time.perf_counter() - start,
-            construction_peak_bytes=monitor.construction_peak_bytes,
-            training_peak_bytes=monitor.training_peak_bytes,
+            # what filled the memory when it ran out
+            memory_breakdown=_with_host(monitor.breakdown(), monitor),
+            **_peaks(monitor),
             oom_rank=rank,
             capped=capped(budget, "oom", spec.backend),
             host_peak_bytes=host_peak_bytes(),

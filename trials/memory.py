@@ -24,6 +24,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from trials.roles import StorageLedger
+
 
 class MemoryMonitor(ABC):
     """Context manager that enforces a byte budget and reports the peak."""
@@ -106,6 +108,17 @@ class MemoryMonitor(ABC):
         """Backend-specific measurements recorded with the result (e.g. the card's own count)."""
         return {}
 
+    # --- what the bytes at the peak are ---------------------------------------------------------
+
+    def tag(self, role: str, *tensors: torch.Tensor | None) -> None:
+        """These tensors' storages hold ``role`` (``trials.roles.ROLES``), for their whole life."""
+        return None
+
+    def breakdown(self, construction: bool = False) -> dict[str, int]:
+        """Bytes by role at the peak (of construction with ``construction``); ``{}`` where the
+        monitor does not attribute storages."""
+        return {}
+
 
 class _LiveStorageCounter(TorchDispatchMode):
     """Counts each distinct storage once, from the op that created it until it is freed."""
@@ -153,6 +166,8 @@ class CpuMemoryMonitor(MemoryMonitor):
         self._host_births = False  # inside host_allocations(): new storages are host memory
         self._construction_end: int | None = None  # timeline index where training starts
         self._deferred = False  # inside deferred_budget(): no online check
+        self._ledger = StorageLedger()  # each storage's life on the timeline and its role
+        self._saved_hooks: Any = None  # autograd's saved-tensor hooks: what backward keeps
 
     def _track(self, t: torch.Tensor) -> None:
         if self._paused or t.device.type != "cpu" or t.is_meta:
@@ -175,11 +190,13 @@ class CpuMemoryMonitor(MemoryMonitor):
         self._live += nbytes
         self._peak = max(self._peak, self._live)
         self._born[key] = len(self._timeline)
+        self._ledger.born(key, len(self._timeline), nbytes)
         self._timeline.append(self._live)
         weakref.finalize(storage, self._release, key, nbytes)
 
     def _release(self, key: int, nbytes: int) -> None:
         self._seen.discard(key)
+        self._ledger.died(key, len(self._timeline))
         self._born.pop(key, None)
         if self._host.pop(key, None) is not None:
             self._host_live -= nbytes
@@ -198,6 +215,7 @@ class CpuMemoryMonitor(MemoryMonitor):
                 continue  # not tracked (made while paused or before) or already host
             nbytes = storage.nbytes()
             self._host[key] = nbytes
+            self._ledger.host(key)
             self._live -= nbytes
             self._host_live += nbytes
             self._host_peak = max(self._host_peak, self._host_live)
@@ -219,20 +237,6 @@ class CpuMemoryMonitor(MemoryMonitor):
                 self._host_births = previous
 
         return _host()
-
-    def end_construction(self) -> None:
-        self._construction_end = len(self._timeline)
-
-    @property
-    def construction_peak_bytes(self) -> int:
-        end = self._construction_end
-        return self._peak_between(0, len(self._timeline) if end is None else end)
-
-    @property
-    def training_peak_bytes(self) -> int:
-        if self._construction_end is None:
-            return 0
-        return self._peak_between(self._construction_end, len(self._timeline))
 
     def track_existing(self, *tensors: torch.Tensor) -> None:
         """Count tensors made before the monitor started (e.g. the model on the GPU path)."""
@@ -266,7 +270,16 @@ class CpuMemoryMonitor(MemoryMonitor):
                 f"CPU tracker: out of memory in {func}: {live} bytes live, budget {budget} bytes"
             )
 
+    def _pack_saved(self, t: torch.Tensor) -> torch.Tensor:
+        """Autograd saves ``t`` for backward: its storage is an activation (unless it is
+        already a parameter, say). The tensor itself is what autograd keeps."""
+        if not self._paused:
+            self.tag("activations", t)
+        return t
+
     def __enter__(self) -> CpuMemoryMonitor:
+        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack_saved, _unpack)
+        self._saved_hooks.__enter__()
         self._mode = _LiveStorageCounter(self)
         self._mode.__enter__()
         return self
@@ -275,6 +288,8 @@ class CpuMemoryMonitor(MemoryMonitor):
         assert self._mode is not None
         self._mode.__exit__(exc_type, exc, tb)
         self._mode = None
+        self._saved_hooks.__exit__(exc_type, exc, tb)
+        self._saved_hooks = None
 
     def pause(self) -> Any:
         import contextlib
@@ -283,35 +298,71 @@ class CpuMemoryMonitor(MemoryMonitor):
 
         @contextlib.contextmanager
         def _paused() -> Any:
-            with _disable_current_modes():
-                yield
+            self._paused = True
+            try:
+                with _disable_current_modes():
+                    yield
+            finally:
+                self._paused = False
 
         return _paused()
+
+    def tag(self, role: str, *tensors: torch.Tensor | None) -> None:
+        for t in tensors:
+            if t is None or t.device.type != "cpu" or t.is_meta:
+                continue
+            try:
+                self._ledger.tag(id(t.untyped_storage()), role)
+            except (NotImplementedError, RuntimeError):
+                continue  # storage-less tensors
+
+    def end_construction(self) -> None:
+        self._construction_end = len(self._timeline)
+
+    def _peak_index(self, first: int = 0, stop: int | None = None) -> tuple[int, int]:
+        """(timeline index, device bytes) of the peak over entries ``first`` to ``stop - 1``,
+        with the bytes later marked as host taken out of the span they were alive."""
+        n = len(self._timeline)
+        stop = n if stop is None else min(stop, n)
+        delta = [0] * (n + 1)
+        for start, end, nbytes in self._corrections:
+            delta[start] += nbytes
+            delta[end] -= nbytes
+        best, where, running = 0, -1, 0
+        for i in range(stop):
+            running += delta[i]
+            if i >= first and self._timeline[i] - running > best:
+                best, where = self._timeline[i] - running, i
+        return where, best
+
+    @property
+    def construction_peak_bytes(self) -> int:
+        return self._peak_index(0, self._construction_end)[1]
+
+    @property
+    def training_peak_bytes(self) -> int:
+        if self._construction_end is None:
+            return 0
+        return self._peak_index(self._construction_end)[1]
+
+    def breakdown(self, construction: bool = False) -> dict[str, int]:
+        stop = self._construction_end if construction else None
+        where, _ = self._peak_index(0, stop)
+        return self._ledger.roles_at(where) if where >= 0 else {}
 
     @property
     def peak_bytes(self) -> int:
         if not self._corrections:
             return self._peak
-        return self._peak_between(0, len(self._timeline))
-
-    def _peak_between(self, first: int, stop: int) -> int:
-        """The device peak over timeline entries ``first`` to ``stop - 1``, with the bytes later
-        marked as host taken out of the span they were alive."""
-        n = len(self._timeline)
-        delta = [0] * (n + 1)
-        for start, end, nbytes in self._corrections:
-            delta[start] += nbytes
-            delta[end] -= nbytes
-        best, running = 0, 0
-        for i in range(min(stop, n)):
-            running += delta[i]
-            if i >= first:
-                best = max(best, self._timeline[i] - running)
-        return best
+        return self._peak_index()[1]
 
     @property
     def live_bytes(self) -> int:
         return self._live
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 class CudaMemoryMonitor(MemoryMonitor):

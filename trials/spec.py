@@ -67,7 +67,11 @@ class TrialResult:
     wall_s: float = 0.0
     memory_breakdown: dict[str, int] = field(default_factory=dict)
     stderr_tail: str = ""
-    rank_peaks: list[int] = field(default_factory=list)  # per rank, in a multi-process trial
+    rank_peaks: list[int] = field(default_factory=list)
+    #: a failure of the machine or the scheduler, not of the configuration (a time limit, a
+    #: cancelled, pre-empted or vanished Slurm job, sbatch refusing): the same config may run
+    #: another time, so the sampler is not told it always fails
+    transient: bool = False  # per rank, in a multi-process trial
     #: the peak while the model is built and wrapped (before the first step), and during the
     #: steps; ``peak_bytes`` is the larger, and the budget applies to both
     construction_peak_bytes: int = 0
@@ -78,6 +82,10 @@ class TrialResult:
     skipped_steps: int = 0  # measured fp16 steps the loss scaler skipped (not in tokens/s)
     alloc_conf: str = ""  # PYTORCH_CUDA_ALLOC_CONF the job ran with
     device_memory: dict[str, Any] = field(default_factory=dict)  # CUDA: reserved and card peaks
+    #: ``memory_breakdown`` is by role (``trials.roles.ROLES``) at the peak, with the bytes
+    #: offloaded to host memory at most beside it (``host_offloaded``); this one is by role at
+    #: the construction peak
+    construction_breakdown: dict[str, int] = field(default_factory=dict)
     #: host memory: the job's peak resident set (ru_maxrss; all ranks of a host summed), or the
     #: estimator's prediction on the estimate backend
     host_peak_bytes: int = 0

@@ -243,3 +243,39 @@ def gathered(params: list[torch.nn.Parameter]) -> Any:
 def weight_dtype(precision: str) -> torch.dtype:
     """The dtype DeepSpeed trains the model's own weights in (its fp32 master copy apart)."""
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+
+
+# --- what each of DeepSpeed's buffers is, for the memory breakdown --------------------------------
+
+#: ZeRO optimizer attributes by role (stage 1/2 and stage 3 names); a master partition's ``.grad``
+#: is a gradient, the partition itself an optimizer state (the ZeRO paper's 4 + K bytes/param)
+_ROLE_ATTRS: dict[str, tuple[str, ...]] = {
+    "parameters": ("bit16_groups_flat", "fp16_partitioned_groups_flat"),
+    "gradients": (
+        "averaged_gradients",
+        "ipg_buffer",
+        "grad_partitions_flat_buffer",
+        "accumulated_grads_in_cpu",
+    ),
+    "optimizer_states": ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"),
+}
+
+
+def zero_roles(zero_optimizer: Any, model: torch.nn.Module) -> dict[str, list[torch.Tensor]]:
+    """The tensors DeepSpeed holds for this model, by role (``trials.roles.ROLES``)."""
+    params = list(model.parameters())
+    roles: dict[str, list[torch.Tensor]] = {
+        "parameters": params
+        + [t for p in params if (t := getattr(p, "ds_tensor", None)) is not None],
+        "gradients": [p.grad for p in params if p.grad is not None],
+        "optimizer_states": [],
+    }
+    for role, attrs in _ROLE_ATTRS.items():
+        for attr in attrs:
+            found = list(_tensors(getattr(zero_optimizer, attr, None)))
+            if role == "optimizer_states":  # the partitions' .grad are gradients
+                roles["gradients"] += [t.grad for t in found if t.grad is not None]
+            roles[role] += found
+    inner = getattr(zero_optimizer, "optimizer", zero_optimizer)
+    roles["optimizer_states"] += list(_tensors(list(getattr(inner, "state", {}).values())))
+    return roles
