@@ -74,7 +74,7 @@ from autotune.study import (
     TrialCrashed,
     create_or_load,
     ensure_reference,
-    fail_running_trial,
+    fail_running_trials,
     load_existing,
     make_sampler,
     settings_of,
@@ -217,7 +217,7 @@ def _optimize(
         except write_errors as exc:
             progress.stop()
             # the machine's fault (a full disk, a lost database), not the input's: exit 1
-            fate = fail_running_trial(study, objective.current)
+            fate = fail_running_trials(study, objective.started)
             raise EnvironmentFailure(f"{_one_line(exc)}; {fate}") from None
         except KeyboardInterrupt:
             progress.stop()

@@ -385,23 +385,36 @@ def write_error_reason(exc: BaseException) -> str:
     return (text[0] if text else type(inner).__name__)[:300]
 
 
-def fail_running_trial(study: optuna.Study, number: int | None, attempts: int = 3) -> str:
-    """After a write error: mark trial ``number`` failed if it is still RUNNING (Optuna itself
-    tries first); say what became of it, in words for the one line the command ends with."""
-    if number is None:
-        return "no trial was running"
-    for attempt in range(attempts):
-        try:
-            state = study.get_trials(deepcopy=False)[number].state
-            if state == TrialState.RUNNING:
-                study.tell(number, state=TrialState.FAIL)
-            return f"trial {number} is marked failed"
-        except storage_errors():
-            time.sleep(0.5 * (attempt + 1))
-    return (
-        f"trial {number} could not be marked failed either; the next `autotune resume` fails it "
-        "once its heartbeat has expired"
-    )
+def fail_running_trials(study: optuna.Study, numbers: list[int], attempts: int = 3) -> str:
+    """After a write error: mark those of trials ``numbers`` still RUNNING failed (Optuna itself
+    tries first; with ``--in-flight`` several run at once); say what became of them, in words
+    for the one line the command ends with."""
+    marked, stuck = [], []
+    for number in numbers:
+        for attempt in range(attempts):
+            try:
+                state = study.get_trials(deepcopy=False)[number].state
+                if state == TrialState.RUNNING:
+                    study.tell(number, state=TrialState.FAIL)
+                    marked.append(number)
+                break
+            except storage_errors():
+                time.sleep(0.5 * (attempt + 1))
+        else:
+            stuck.append(number)
+    words = []
+    if not marked and not stuck and numbers:
+        with contextlib.suppress(*storage_errors()):  # Optuna's own tell may have failed it
+            if study.get_trials(deepcopy=False)[numbers[-1]].state == TrialState.FAIL:
+                marked.append(numbers[-1])
+    if marked:
+        words.append(f"trial {', '.join(map(str, marked))} is marked failed")
+    if stuck:
+        words.append(
+            f"trial {', '.join(map(str, stuck))} could not be marked failed either; the next "
+            "`autotune resume` fails it once its heartbeat has expired"
+        )
+    return "; ".join(words) or "no trial was left running"
 
 
 class Objective:
@@ -422,10 +435,12 @@ class Objective:
         self.prober = prober  # lossy numerics are judged on a proxy (autotune/lossguard.py)
         self.no_probe_why = no_probe_why
         self.on_result: Callable[[FrozenTrial | optuna.Trial, TrialResult], None] | None = None
-        self.current: int | None = None  # the number of the trial being run
+        #: the trials this objective started (``--in-flight``: several threads at once); after a
+        #: write error those still RUNNING are failed (``fail_running_trials``)
+        self.started: list[int] = []
 
     def __call__(self, trial: optuna.Trial) -> tuple[float, float]:
-        self.current = trial.number
+        self.started.append(trial.number)
         config = self.space.sample(trial.suggest_categorical)  # type: ignore[arg-type]
         trial.set_user_attr("config", config)
         trial.set_user_attr("fidelity", fidelity_class(config))

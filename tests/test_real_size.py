@@ -27,7 +27,7 @@ from autotune.study import (
     ResultNotStored,
     StudySettings,
     create_or_load,
-    fail_running_trial,
+    fail_running_trials,
     make_sampler,
     workdir_for,
 )
@@ -375,10 +375,10 @@ def test_a_full_database_fails_the_trial_with_a_reason(tmp_path: Path) -> None:
     objective = Objective(study, space, FillingRunner(tmp_path / "runs", code))
     with pytest.raises(ResultNotStored, match="full"):
         study.optimize(objective, n_trials=1)
-    line = fail_running_trial(study, objective.current)
+    line = fail_running_trials(study, objective.started)
     state = study.get_trials()[0].state
     assert state == optuna.trial.TrialState.FAIL, line
-    assert "marked failed" in line
+    assert line == "trial 0 is marked failed", line
 
 
 # --- 7. the CUDA path, as pure functions ---------------------------------------------------------
