@@ -161,6 +161,6 @@ def test_host_marked_tensors_leave_the_device_peak_from_their_creation() -> None
         tmp = torch.zeros(250)  # 1000 B
         del tmp
     assert monitor.peak_bytes == 3000  # device + tmp, as if host had never been on the device
-    assert monitor.host_peak_bytes == 4000
+    assert monitor.host_offloaded_bytes == 4000
     assert monitor.live_bytes == 2000
     del device, host

@@ -75,7 +75,7 @@ def build(spec: TrialSpec, device: torch.device, monitor: MemoryMonitor) -> nn.M
 
 def _with_host(breakdown: dict[str, int], monitor: MemoryMonitor) -> dict[str, int]:
     """The device's roles, and beside them ``host_offloaded``: host memory, not in the peak."""
-    return {**breakdown, "host_offloaded": monitor.host_peak_bytes}
+    return {**breakdown, "host_offloaded": monitor.host_offloaded_bytes}
 
 
 def _peaks(monitor: MemoryMonitor) -> dict[str, Any]:

@@ -66,7 +66,7 @@ class MemoryMonitor(ABC):
         return None
 
     @property
-    def host_peak_bytes(self) -> int:
+    def host_offloaded_bytes(self) -> int:
         """Offloaded bytes in host memory at most (0 where the monitor does not see them)."""
         return 0
 
@@ -146,7 +146,7 @@ class CpuMemoryMonitor(MemoryMonitor):
     the device count from their creation on: every allocation appends the device's live bytes
     to a timeline, and marking subtracts the tensor's bytes over the span it was already alive,
     so ``peak_bytes`` is the device peak as if they had been on the host from the start.
-    ``host_peak_bytes`` is the most host bytes seen live after marking. The online budget check
+    ``host_offloaded_bytes`` is the most host bytes seen live after marking. The online budget check
     uses the device bytes known at that moment (a tensor not yet marked still counts).
     """
 
@@ -222,7 +222,7 @@ class CpuMemoryMonitor(MemoryMonitor):
             self._corrections.append((self._born[key], len(self._timeline), nbytes))
 
     @property
-    def host_peak_bytes(self) -> int:
+    def host_offloaded_bytes(self) -> int:
         return self._host_peak
 
     def host_allocations(self) -> Any:
