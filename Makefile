@@ -32,6 +32,7 @@ services:
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
 test: $(VENV)/.installed services lint

@@ -355,9 +355,7 @@ def _report(
                 f"{counts['failed']} failed {full_table}"
             )
         print_answer(console, sel, commands)
-    console.print(
-        f"stored in {mask_url(storage_url)} as study '{study.study_name}'", markup=False
-    )
+    console.print(f"stored in {mask_url(storage_url)} as study '{study.study_name}'", markup=False)
 
 
 def next_commands(study_name: str, storage_url: str) -> dict[str, str]:
@@ -779,9 +777,7 @@ def resume(
     trials (``--trials 0``: only that)."""
     study = load_existing(open_storage(storage, must_exist=True), study_name)
     settings = _relaunch(study, launcher)
-    console.print(
-        f"resuming study '{study_name}': {len(study.trials)} trials so far", markup=False
-    )
+    console.print(f"resuming study '{study_name}': {len(study.trials)} trials so far", markup=False)
     if n_trials or settings.launcher.get("name") == "slurm":
         _optimize(
             study,

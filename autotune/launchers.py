@@ -127,9 +127,7 @@ def slurm_env(spec: TrialSpec | None = None) -> dict[str, str]:
     trial's (``runner.trial_env``: no enclosing torchrun's or Slurm job's layout, no storage URL,
     the trial's allocator settings) without the controller's pid, whose lifeline would end the
     job at once on another node."""
-    base = {
-        k: v for k, v in os.environ.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"
-    }
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_") or k == "SLURM_CONF"}
     env = trial_env(base, spec)
     env.pop(CONTROLLER_ENV, None)
     return env

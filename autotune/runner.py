@@ -269,6 +269,7 @@ class SubprocessRunner(TrialRunner):
                 kill_group(proc)
                 return proc.returncode
 
+
 def merge_ranks(
     results: list[TrialResult], n_ranks: int | None = None, nodes: int = 1
 ) -> TrialResult:

@@ -158,10 +158,14 @@ def _create(
 
 def _schema_race(exc: BaseException) -> bool:
     text = str(exc).lower()
-    return isinstance(exc, sqlalchemy.exc.IntegrityError) or (
-        isinstance(exc, sqlalchemy.exc.OperationalError)
-        and ("already exists" in text or "locked" in text)
-    ) or (isinstance(exc, sqlalchemy.exc.ProgrammingError) and "already exists" in text)
+    return (
+        isinstance(exc, sqlalchemy.exc.IntegrityError)
+        or (
+            isinstance(exc, sqlalchemy.exc.OperationalError)
+            and ("already exists" in text or "locked" in text)
+        )
+        or (isinstance(exc, sqlalchemy.exc.ProgrammingError) and "already exists" in text)
+    )
 
 
 def _check_sqlite_file(path: Path, url: str, must_exist: bool, read_only: bool) -> None:

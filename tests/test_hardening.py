@@ -141,8 +141,9 @@ def _race(url: str, n: int, cwd: Path) -> list[subprocess.CompletedProcess[str]]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     command = [sys.executable, "-c", RACER, url, str(start)]
     procs = [
-        subprocess.Popen(command, cwd=cwd, text=True, env=env, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE)
+        subprocess.Popen(
+            command, cwd=cwd, text=True, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
         for _ in range(n)
     ]
     done = []
@@ -298,8 +299,11 @@ def test_the_table_follows_the_terminal_width(in_tmp: Path) -> None:
     ("name", "url", "storage_args"),
     [
         ("plain", "sqlite:///autotune.db", []),
-        (HOSTILE.replace("\n", " ") + "x" * 150, "sqlite:///my dir/$(touch pwned).db",
-         ["--storage", "sqlite:///my dir/$(touch pwned).db"]),
+        (
+            HOSTILE.replace("\n", " ") + "x" * 150,
+            "sqlite:///my dir/$(touch pwned).db",
+            ["--storage", "sqlite:///my dir/$(touch pwned).db"],
+        ),
         ("pg", "postgresql://bob:s3cret-pw@db/x", []),  # a password is never printed
     ],
 )
