@@ -341,9 +341,10 @@ class SlurmRunner(TrialRunner):
             if result.status == "failed":
                 result.stderr_tail = _tail(log)
             return result
-        ran_out = [r for r in present if r.status == "oom"]
-        if ran_out:  # one rank's OOM ended the job; srun stopped the others
-            result = merge_ranks(ran_out, n_ranks=spec.nproc, nodes=spec.nodes)
+        if any(r.status != "ok" for r in present):
+            # one rank ran out of memory (or failed) and srun stopped the others: its result,
+            # as the local runner keeps it (runner.SubprocessRunner.run)
+            result = merge_ranks(present, n_ranks=spec.nproc, nodes=spec.nodes)
             result.stderr_tail = _tail(log)
             return result
         if not state.state:

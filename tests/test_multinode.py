@@ -176,6 +176,23 @@ def test_rank_results_merge_host_memory_per_node() -> None:
     assert merge_ranks(ranks, nodes=4).host_peak_bytes == 4 * 10**9
 
 
+def test_a_slurm_job_with_one_failed_rank_keeps_that_ranks_error(tmp_path: Path) -> None:
+    """srun stopped the other ranks after one failed: the trial is that rank's failure with its
+    own error (as the local runner keeps it), not a generic "Slurm job FAILED"."""
+    from autotune.launchers import JobState, SlurmOptions, SlurmRunner
+    from trials.spec import rank_result_path
+
+    spec = dataclasses.replace(tiny_spec({}), nproc=2, nodes=2)
+    runner = SlurmRunner(tmp_path, SlurmOptions())
+    result_path = tmp_path / "trial-0" / "result.json"  # where a Slurm trial's job writes
+    result_path.parent.mkdir(parents=True)
+    bad = TrialResult("failed", error="ValueError: an unsupported combination")
+    rank_result_path(result_path, 1, 2).write_text(bad.to_json())
+    result = runner.collect("42", JobState("FAILED", exit_code="17:0"), spec, "trial-0")
+    assert result.status == "failed" and "unsupported combination" in result.error
+    assert not result.transient  # the configuration's failure: learned, never run again
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
