@@ -48,6 +48,7 @@ from autotune.runner import (
     TrialAttrs,
     TrialRunner,
     merge_ranks,
+    new_trial_dir,
     trial_env,
 )
 from trials.lifeline import CONTROLLER_ENV, started_at
@@ -263,7 +264,9 @@ class SlurmRunner(TrialRunner):
         self.stopping = threading.Event()
 
     def run(self, spec: TrialSpec, name: str) -> TrialResult:
-        return self._run(None, spec, name)
+        # a job of no trial (a loss probe, a finalist's re-measurement) is never collected after
+        # a restart, so it may take a folder of its own: two controllers never share one
+        return self._run(None, spec, new_trial_dir(self.workdir, name).name)
 
     def run_for(self, trial: TrialAttrs, spec: TrialSpec, name: str) -> TrialResult:
         return self._run(trial, spec, name)

@@ -168,3 +168,20 @@ def test_a_cancelled_job_is_a_failed_trial_with_its_reason(tmp_path: Path) -> No
     assert trial.state == TrialState.FAIL
     assert _slurm_state(job_id) == "CANCELLED"
     assert f"Slurm job {job_id} CANCELLED" in trial.user_attrs["error"]
+
+
+def test_jobs_of_no_trial_get_folders_of_their_own(tmp_path: Path) -> None:
+    """Loss probes and re-measurements are not trials: two of the same name (two controllers
+    probing the same numerics) get two folders, and a job sbatch refuses (a partition that does
+    not exist) is a transient failure, not the configuration's."""
+    from autotune.launchers import SlurmOptions, SlurmRunner
+    from tests.conftest import tiny_spec
+
+    runner = SlurmRunner(tmp_path, SlurmOptions(partition="no-such-partition"))
+    first = runner.run(tiny_spec({}), "probe-abc")
+    second = runner.run(tiny_spec({}), "probe-abc")
+    assert first.status == second.status == "failed"
+    assert "sbatch refused" in first.error and first.transient
+    folders = sorted(p.name for p in tmp_path.iterdir())
+    assert len(folders) == 2 and all(f.startswith("probe-abc") for f in folders), folders
+    assert all((tmp_path / f / "job.sbatch").is_file() for f in folders)
