@@ -130,6 +130,7 @@ class ClassResult:
     margin: float = NOISE_FLOOR
     searched: bool = True  # False: --allow left this group out
     tried: int = 0  # trials of this group that ran to the end or out of memory
+    regressed: int = 0  # of those, the ones that fit the budget but broke the loss guard
 
     @property
     def contenders(self) -> list[Row]:
@@ -284,8 +285,9 @@ def select(study: optuna.Study) -> Selection:
         feasible = [r for r in mine if r.feasible]
         tried = sum(r.status in ("ok", "oom") for r in mine)
         winner, ties, margin = decide(feasible)
+        regressed = sum(r.status == "ok" and r.fits and r.loss_ok is False for r in mine)
         classes[group] = ClassResult(
-            group, winner, ties, margin, any(c in allowed for c in members), tried
+            group, winner, ties, margin, any(c in allowed for c in members), tried, regressed
         )
     # the most faithful group that has a feasible configuration gives the headline winner
     winner = next((c.winner for c in classes.values() if c.winner is not None), None)
@@ -322,6 +324,11 @@ def class_summary(sel: Selection, describe: Callable[[dict[str, Any]], str]) -> 
         w = result.winner
         if w is None:
             what = f"{result.tried} tried, none fits {budget}" if result.tried else "not tried"
+            if result.regressed:
+                what = (
+                    f"{result.tried} tried, none passes: {result.regressed} fit {budget} but "
+                    "regress the loss"
+                )
             lines.append(f"{label}: {what}")
             continue
         host = f", host {format_size(w.host_peak_bytes)}" if w.host_peak_bytes else ""

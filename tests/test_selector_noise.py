@@ -130,6 +130,20 @@ def test_each_class_has_its_own_answer_and_full_training_comes_first(tmp_path: P
     )
 
 
+def test_a_class_whose_fitting_trials_regressed_says_so(tmp_path: Path) -> None:
+    """'none fits' would send a user after more memory; the Adafactor trial fit and broke the
+    loss guard, and one Lion trial ran out of memory: the line says which."""
+    study = _study(tmp_path)
+    _add(study, {}, 1000)
+    _add(study, {"optimizer": "adafactor"}, 5000, verdict=LossVerdict("probe", False, 0.5, 0.02))
+    _add(study, {"optimizer": "lion"}, 0, peak_mib=300, status="oom")
+    lines = class_summary(select(study), describe)
+    assert lines[2] == (
+        "if you accept another optimizer (Adafactor, Lion): 2 tried, none passes: 1 fit 200 MiB "
+        "but regress the loss"
+    )
+
+
 def test_host_memory_in_the_answer(tmp_path: Path) -> None:
     study = _study(tmp_path)
     _add(
