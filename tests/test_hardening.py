@@ -27,6 +27,7 @@ from click.testing import CliRunner
 from autotune.cli import main, resume_hint
 from autotune.errors import UserError
 from autotune.export import export
+from autotune.lossguard import against_reference
 from autotune.masking import mask_text, mask_url, remember
 from autotune.space import SearchSpace
 from autotune.study import StudySettings, create_or_load, settings_of
@@ -71,7 +72,18 @@ def _fitted(url: str, name: str = "fitted") -> optuna.Study:
     fast = {**ref, "gradient_checkpointing": "off", "micro_batch_size": 8}
     _add_trial(study, fast, 180, 3000.0)
     broken = {**ref, "precision": "bf16"}  # a lossy trial whose loss went to nan
-    _add_trial(study, broken, 150, 2000.0, losses=[9.0, math.nan, math.nan, math.nan])
+    losses = [9.0, math.nan, math.nan, math.nan]
+    verdict = against_reference(losses, [9.0, 8.9, 8.8, 8.7])  # as the objective stores it
+    _add_trial(
+        study,
+        broken,
+        150,
+        2000.0,
+        losses=losses,
+        loss_verdict=verdict.to_attrs(),
+        loss_regression=verdict.regression,
+        loss_tolerance=verdict.tolerance,
+    )
     return study
 
 
