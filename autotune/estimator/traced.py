@@ -235,11 +235,16 @@ def trace_step(
         fallback = 0
         with _default_dtype(dtype):
             try:
-                model = build_model(traced_cfg, TRACED_ATTENTION.get(attention, attention), 0)
+                model = build_model(
+                    traced_cfg,
+                    TRACED_ATTENTION.get(attention, attention),
+                    0,
+                    dtype=dtype or torch.float32,
+                )
             except ValueError as exc:  # e.g. Gemma2 refuses sdpa in transformers 5
                 if "attention implementation" not in str(exc):
                     raise
-                model = build_model(traced_cfg, "eager", 0)
+                model = build_model(traced_cfg, "eager", 0, dtype=dtype or torch.float32)
                 fallback = 1
         balance_experts(model, model_config)
         model.train()
