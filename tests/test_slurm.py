@@ -122,7 +122,8 @@ def test_trials_run_as_slurm_jobs_several_in_flight(tmp_path: Path) -> None:
     for t, job_id in zip(trials, ids, strict=True):
         assert _slurm_state(job_id) == "COMPLETED"  # Slurm's own account of the job
         assert t.user_attrs["status"] in ("ok", "oom") and t.user_attrs["peak_bytes"] > 0
-        log = tmp_path / "autotune_runs" / STUDY / f"trial-{t.number}" / f"slurm-{job_id}.log"
+        # the study's folder is <name>-<id> (autotune.study.workdir_for)
+        (log,) = (tmp_path / "autotune_runs").glob(f"{STUDY}-*/trial-{t.number}/slurm-{job_id}.log")
         assert log.is_file()
     assert max(len(s) for s in seen) == 2, seen  # two jobs ran at once
 
