@@ -54,6 +54,7 @@ def _prober(runner: TrialRunner, model: str = "tiny-llama", steps: int = STEPS) 
     return Prober(REGISTRY[model].config, ProbeSettings(steps, 2, 3e-3, "cpu"), runner)
 
 
+@pytest.mark.real_trial
 def test_probe_verdict_is_the_seed_paired_final_loss_difference(cache: Path) -> None:
     runner = InProcessRunner()
     verdict = _prober(runner).judge({"precision": "bf16", "optimizer": "lion"}, tolerance=0.02)
@@ -88,6 +89,7 @@ def test_probe_verdict_is_the_seed_paired_final_loss_difference(cache: Path) -> 
     assert verdict.ok == (verdict.regression <= 0.02)
 
 
+@pytest.mark.real_trial
 def test_probes_are_cached_per_family(cache: Path) -> None:
     first = InProcessRunner()
     a = _prober(first).judge({"precision": "bf16"}, 0.02)
@@ -117,6 +119,7 @@ def test_a_failed_probe_is_not_cached(cache: Path, tmp_path: Path) -> None:
     assert _prober(InProcessRunner(), steps=3).curve(plain, 0) == (losses, "")  # now cached
 
 
+@pytest.mark.real_trial
 def test_exact_configurations_are_checked_against_the_reference() -> None:
     base = run_trial(tiny_spec({"gradient_checkpointing": "full"}, warmup_steps=1))
     other = run_trial(tiny_spec({"micro_batch_size": 2}, warmup_steps=1))
@@ -141,6 +144,7 @@ def test_exact_configurations_are_checked_against_the_reference() -> None:
     assert lora.via == "none" and "different problem" in lora.note
 
 
+@pytest.mark.real_trial
 def test_reference_is_the_least_memory_exact_configuration(tmp_path: Path) -> None:
     space = SearchSpace.from_dict(
         {
@@ -202,6 +206,7 @@ def test_a_space_without_an_exact_configuration_has_no_reference(tmp_path: Path)
     assert SearchSpace.load(DATA / "tiny_space.yaml").has_exact()
 
 
+@pytest.mark.real_trial
 def test_allow_restricts_the_searched_classes() -> None:
     gpu = Hardware("cuda", (9, 0), 1, has_flash_attn=True, has_bitsandbytes=True, has_peft=True)
     space = SearchSpace.load()

@@ -133,6 +133,7 @@ def test_rank_batches_split_the_same_tokens() -> None:
     assert torch.equal(both, rank_batch(wide, 3, 0, 1))
 
 
+@pytest.mark.real_trial
 def test_lora_trains_only_the_adapters() -> None:
     """The LoRA path of quantized training, in full precision on the CPU."""
     model = add_lora(build_model(TINY, "sdpa", 0))
