@@ -38,8 +38,12 @@ from trials.techniques import OPTIMIZERS
 Shape = tuple[int, ...]
 
 #: bytes per base weight when quantized, as trials/quantization.py builds them (bitsandbytes:
-#: int8 with a row-wise fp32 scale; nf4 in blocks of 64 with an fp32 absmax, no double quant)
-QUANT_BYTES = {"int8": 1.0 + 4 / 4096, "nf4": (4 + 32 / 64) / 8}
+#: int8 at 1 B with an fp32 scale per output row, ``QUANT_ROW_BYTES``; nf4 at 4 bits in blocks of
+#: 64 with an fp32 absmax, no double quant: 4.5 bits, the QLoRA paper's figure)
+QUANT_BYTES = {"int8": 1.0, "nf4": (4 + 32 / 64) / 8}
+QUANT_ROW_BYTES = {"int8": 4, "nf4": 0}
+#: expert weights (their shapes are not in ``ModelStats``): int8's row scale at a 4096-wide row
+EXPERT_QUANT_BYTES = {"int8": 1.0 + 4 / 4096, "nf4": QUANT_BYTES["nf4"]}
 DEFAULT_LORA_R = 8  # trials.quantization.LORA_RANK
 DS_PREFETCH_PARAMS = 50_000_000  # DeepSpeed stage3_prefetch_bucket_size default
 DS_REDUCE_BUCKET = 500_000_000  # DeepSpeed reduce_bucket_size default (elements)
@@ -211,19 +215,21 @@ def model_states(
 
 
 #: (id of ModelStats, LoRA rank) -> (quantized params, LoRA shapes); see ``_STATE_BYTES``
-_LORA: dict[tuple[int, int], tuple[int, tuple[Shape, ...], int]] = {}
+_LORA: dict[tuple[int, int], tuple[int, tuple[Shape, ...], int, int]] = {}
 
 
-def _lora(st: ModelStats, r: int) -> tuple[int, tuple[Shape, ...], int]:
-    """The quantized base weights (every linear but the embeddings) and the LoRA shapes."""
+def _lora(st: ModelStats, r: int) -> tuple[int, tuple[Shape, ...], int, int]:
+    """The quantized base weights (every linear but the embeddings and the head: their count,
+    that of their output rows), the LoRA shapes and their parameter count."""
     key = (id(st), r)
     if key not in _LORA:
         linear = [s for s in st.shapes if len(s) == 2 and numel(s) < st.vocab * st.hidden]
-        quantized = sum(numel(s) for s in linear) + st.layers * st.expert_params
+        quantized = sum(numel(s) for s in linear)
+        rows = sum(s[0] for s in linear)
         lora_shapes: list[Shape] = []
         for out_f, in_f in linear:
             lora_shapes += [(r, in_f), (out_f, r)]
-        _LORA[key] = (quantized, tuple(lora_shapes), sum(numel(s) for s in lora_shapes))
+        _LORA[key] = (quantized, tuple(lora_shapes), sum(numel(s) for s in lora_shapes), rows)
     return _LORA[key]
 
 
@@ -231,12 +237,18 @@ def _quantized(
     st: ModelStats, config: dict[str, Any], quant: str, opt: str, precision: str, load_copy: int
 ) -> ModelStates:
     r = int(config.get("lora_r", DEFAULT_LORA_R))
-    quantized, lora_shapes, lora = _lora(st, r)
+    dense, lora_shapes, lora, rows = _lora(st, r)
+    experts = st.layers * st.expert_params
+    quantized = dense + experts
     key = (id(st), f"lora{r}:{opt}")
     if key not in _STATE_BYTES:
         _STATE_BYTES[key] = optimizer_state_bytes(opt, lora_shapes)
     # embeddings, norms and the head stay frozen in fp32, as the trial job builds them
-    frozen = int(quantized * QUANT_BYTES[quant]) + 4 * (st.n_params - quantized)
+    frozen = (
+        int(dense * QUANT_BYTES[quant] + rows * QUANT_ROW_BYTES[quant])
+        + int(experts * EXPERT_QUANT_BYTES[quant])
+        + 4 * (st.n_params - quantized)
+    )
     return ModelStates(
         {
             "parameters": frozen + 4 * lora,
