@@ -1,0 +1,114 @@
+"""Each sampler rule alone, on a real Optuna study (no training): trials other workers are
+running are not planned again, an enqueued trial reserves nothing, a failed configuration is
+never proposed again, and an identical proposal reuses the earlier result instead of running."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import optuna
+from optuna.trial import TrialState
+
+from autotune.hardware import Hardware
+from autotune.runner import TrialRunner
+from autotune.space import SearchSpace
+from autotune.strategy import AutotuneSampler, Observation
+from autotune.study import Objective
+from tests.studies import make_study
+from tests.test_strategy import BUDGET, GRID, SPACE, prior
+from trials.spec import TrialResult, TrialSpec
+
+
+def _study(sampler: AutotuneSampler) -> optuna.Study:
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return optuna.create_study(directions=["maximize", "minimize"], sampler=sampler)
+
+
+def _config(study: optuna.Study, trial: optuna.Trial) -> dict:
+    return SPACE.sample(trial.suggest_categorical)  # type: ignore[arg-type]
+
+
+def test_trials_running_elsewhere_are_not_planned_again() -> None:
+    sampler = AutotuneSampler(GRID, prior, BUDGET)
+    study = _study(sampler)
+    first, second = study.ask(), study.ask()  # two workers ask before either tells
+    a, b = _config(study, first), _config(study, second)
+    assert a == sampler.plan([])  # the best-looking candidate
+    assert b == sampler.plan([Observation(a, "running", 0.0, 0.0)])  # the next one
+    assert a != b
+
+
+def test_an_enqueued_trial_reserves_nothing() -> None:
+    sampler = AutotuneSampler(GRID, prior, BUDGET)
+    study = _study(sampler)
+    reference = SPACE.reference_config()
+    assert reference != sampler.plan([])
+    study.enqueue_trial(SPACE.params_for(reference))
+    queued = study.ask()
+    assert _config(study, queued) == reference
+    # the next worker still gets the best-looking candidate: the enqueued trial did not plan
+    assert _config(study, study.ask()) == sampler.plan([])
+
+
+def test_a_failed_configuration_is_never_proposed_again() -> None:
+    sampler = AutotuneSampler(GRID, prior, BUDGET)
+    best = sampler.plan([])
+    failed = Observation(best, "failed", 0.0, 0.0)
+    history = [failed]
+    for _ in range(30):
+        plan = sampler.plan(history)
+        assert plan is not None and plan != best
+        history.append(Observation(plan, "ok", *prior(plan)))
+
+
+def test_an_oom_is_learned_and_a_predicted_oom_is_not() -> None:
+    """A measured OOM rules out the configurations needing no less memory; an OOM the
+    pre-screen predicted (never run) rules out only itself."""
+    sampler = AutotuneSampler(GRID, prior, BUDGET)
+    best = sampler.plan([])
+    bigger = {**best, "micro_batch_size": 16} if best["micro_batch_size"] < 16 else None
+    measured = sampler.plan([Observation(best, "oom", BUDGET, 0.0)])
+    predicted = sampler.plan([Observation(best, "predicted_oom", 0.0, 0.0)])
+    assert measured != best and predicted != best
+    if bigger is not None and bigger in GRID:
+        implied = [Observation(best, "oom", BUDGET, 0.0)]
+        for _ in range(len(GRID) // 2):
+            plan = sampler.plan(implied)
+            assert plan != bigger
+            implied.append(Observation(plan, "ok", *prior(plan)))
+
+
+class CountingRunner(TrialRunner):
+    """A finished trial's numbers for any spec, counting the runs."""
+
+    def __init__(self) -> None:
+        self.runs = 0
+
+    def run(self, spec: TrialSpec, name: str) -> TrialResult:
+        self.runs += 1
+        return TrialResult(
+            status="ok", peak_bytes=50 * 2**20, tokens_per_s=1234.0, losses=[2.0, 1.9]
+        )
+
+
+def test_an_identical_proposal_reuses_the_earlier_result(tmp_path: Path) -> None:
+    space_file = tmp_path / "space.yaml"
+    space_file.write_text(
+        "dimensions:\n  gradient_checkpointing: {choices: [full]}\n"
+        "  micro_batch_size: {choices: [1, 2]}\n"
+        "reference: {gradient_checkpointing: full, micro_batch_size: 1}\n"
+    )
+    study = make_study(f"sqlite:///{tmp_path / 'db.sqlite'}", "dup", space_file)
+    space = SearchSpace.load(space_file).resolve(8, Hardware(backend="cpu"))
+    runner = CountingRunner()
+    objective = Objective(study, space, runner)
+    config = {"gradient_checkpointing": "full", "micro_batch_size": 2}
+    for _ in range(2):
+        study.enqueue_trial(space.params_for(config))
+    study.optimize(objective, n_trials=2)
+    first, second = study.trials
+    assert runner.runs == 1
+    assert second.user_attrs["duplicate_of"] == first.number
+    assert second.state == TrialState.COMPLETE
+    assert second.user_attrs["tokens_per_s"] == first.user_attrs["tokens_per_s"] == 1234.0
+    assert second.user_attrs["peak_bytes"] == first.user_attrs["peak_bytes"]
