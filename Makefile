@@ -2,16 +2,17 @@
 # CPU torch, DeepSpeed and the project: scripts/install.sh), so a fresh clone needs nothing else.
 #
 #   make run    the main job: a 12-trial study of real CPU trials in ./autotune.db (SQLite)
-#   make test   the test services (PostgreSQL, Chromium), ruff, mypy and the test suite without
-#               slow tests (CI runs this)
+#   make test   the test services (PostgreSQL, Slurm, Chromium), ruff, mypy and the whole test
+#               suite, slow tests included (CI runs this)
 #
-# Also: make test-slow (the slow tests), make lint, make mutation.
+# Also: make test-fast (the suite without slow tests, for local work), make test-slow (only the
+# slow ones), make lint, make mutation.
 
 VENV := .venv
 PY := $(VENV)/bin/python
 RUN_ARGS ?= --model tiny-llama --budget 300MB --trials 12
 
-.PHONY: run test test-slow lint services mutation
+.PHONY: run test test-fast test-slow lint services mutation
 
 # re-install when the installer or the dependencies change
 $(VENV)/.installed: scripts/install.sh pyproject.toml
@@ -36,7 +37,10 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/mypy
 
 test: $(VENV)/.installed services lint
-	$(PY) -m pytest
+	$(PY) -m pytest --durations=15
+
+test-fast: $(VENV)/.installed services
+	$(PY) -m pytest -m 'not slow'
 
 test-slow: $(VENV)/.installed services
 	$(PY) -m pytest -m slow
