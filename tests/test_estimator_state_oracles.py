@@ -1,4 +1,5 @@
-"""LoRA / QLoRA model states against outside oracles: the adapters peft actually adds to the
+"""Model states against outside oracles: the optimizer's own state after a real step, the
+paper's 16 bytes per parameter for plain AdamW training, and for LoRA / QLoRA: the adapters peft actually adds to the
 transformers model (trainable parameters counted on the model), the linear weights the job
 quantizes (every ``nn.Linear`` but the head, counted on the model), and the bytes per weight the
 papers give: NF4 is 4 bits plus one fp32 absmax per block of 64 (4.5 bits, Dettmers et al.
@@ -78,3 +79,58 @@ def test_qlora_states_match_the_adapted_model(name: str, rank: int) -> None:
             quant
         )
         assert states.host_bytes == pytest.approx(4 * total * 1.5, abs=4)  # fp32 load copy
+
+
+@pytest.mark.parametrize("name", ["adamw", "adafactor", "lion"])
+@pytest.mark.parametrize("model", ["tiny-llama", "gpt2"])
+def test_optimizer_state_bytes_are_what_the_optimizer_keeps(name: str, model: str) -> None:
+    """The estimator's optimizer-state bytes against the real optimizer's state after one step
+    (torch's AdamW and Adafactor, lion-pytorch's Lion, as the job builds them), step counters
+    (0-dimensional tensors) aside."""
+    from autotune.estimator.states import model_optimizer_bytes
+    from autotune.models import stats_of
+    from trials.techniques import OPTIMIZERS
+
+    model_cfg = REGISTRY["tiny-llama"].config if model == "tiny-llama" else SMALL["gpt2"]
+    torch.manual_seed(0)
+    net = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(**model_cfg)
+    )
+    opt = OPTIMIZERS[name].factory(net.parameters(), 1e-3)
+    ids = torch.randint(0, 200, (2, 16))
+    net(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    kept = sum(
+        t.numel() * t.element_size()
+        for state in opt.state.values()
+        for t in state.values()
+        if torch.is_tensor(t) and t.dim() > 0
+    )
+    assert kept > 0 or name == "adafactor"
+    assert model_optimizer_bytes(stats_of(model_cfg), name) == kept
+
+
+def test_plain_training_states_are_sixteen_bytes_per_parameter() -> None:
+    """The trial job's own loop (no ZeRO), with every default: fp32 weights and gradients and
+    AdamW's two fp32 moments, 4 + 4 + 8 bytes per parameter (Rajbhandari et al. 2020, sec. 3.1),
+    the same under autocast (mixed precision keeps the fp32 master weights); nothing offloaded,
+    the host holds the fp32 copy each process builds at load (times DeepSpeed's 1.5 factor)."""
+    from autotune.models import stats_of
+
+    cfg = REGISTRY["tiny-llama"].config
+    psi = stats_of(cfg).n_params
+    for config in ({}, {"precision": "bf16"}, {"zero_stage": 0, "offload_optimizer": "cpu"}):
+        states = model_states(cfg, config, 1)
+        assert states.parts == {
+            "parameters": 4 * psi,
+            "gradients": 4 * psi,
+            "optimizer_states": 8 * psi,
+        }, config
+        assert states.host == {
+            "offloaded states": 0,
+            "model copy at load": 4 * psi,
+            "pinned buffers and slack": 2 * psi,
+        }
+    # two processes on one host build two copies
+    assert model_states(cfg, {}, 2).host["model copy at load"] == 8 * psi
+    assert model_states(cfg, {}, 2, nodes=2).host["model copy at load"] == 4 * psi
