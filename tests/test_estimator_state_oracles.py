@@ -1,9 +1,10 @@
 """Model states against outside oracles: the optimizer's own state after a real step, the
-paper's 16 bytes per parameter for plain AdamW training, and for LoRA / QLoRA: the adapters peft actually adds to the
-transformers model (trainable parameters counted on the model), the linear weights the job
-quantizes (every ``nn.Linear`` but the head, counted on the model), and the bytes per weight the
-papers give: NF4 is 4 bits plus one fp32 absmax per block of 64 (4.5 bits, Dettmers et al.
-2023, section 3), LLM.int8() 1 byte plus one fp32 scale per output row (Dettmers et al. 2022)."""
+paper's 16 bytes per parameter for plain AdamW training, and for LoRA / QLoRA the adapters peft
+actually adds to the transformers model (trainable parameters counted on the model), the linear
+weights the job quantizes (every ``nn.Linear`` but the head, counted on the model), and the bytes
+per weight the papers give: NF4 is 4 bits plus one fp32 absmax per block of 64 (4.5 bits,
+Dettmers et al. 2023, section 3), LLM.int8() 1 byte plus one fp32 scale per output row
+(Dettmers et al. 2022)."""
 
 from __future__ import annotations
 
