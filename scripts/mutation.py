@@ -2,6 +2,9 @@
 
     .venv/bin/python scripts/mutation.py            # run mutmut, then write docs/MUTATION.md
     .venv/bin/python scripts/mutation.py --report   # only rewrite the report from the last run
+    .venv/bin/python scripts/mutation.py --from A.txt B.txt  # the report from saved listings
+                                                    # (``mutmut results --all true``); a later
+                                                    # file's modules replace an earlier one's
 
 The modules and the tests that guard them are listed in pyproject.toml (``[tool.mutmut]``).
 mutmut (PyPI) copies the project into ``mutants/``, changes one operator, constant or call at a
@@ -36,6 +39,11 @@ def results() -> dict[str, str]:
         text=True,
         check=True,
     ).stdout
+    return parse_listing(out)
+
+
+def parse_listing(out: str) -> dict[str, str]:
+    """``mutmut results --all true`` output -> mutant name -> status."""
     statuses = {}
     for line in out.splitlines():
         name, sep, status = line.strip().rpartition(": ")
@@ -73,31 +81,35 @@ def report(statuses: dict[str, str]) -> str:
         "# Mutation testing",
         "",
         "Made by `.venv/bin/python scripts/mutation.py` (mutmut, configured in `pyproject.toml`).",
-        "Score = killed (incl. timeouts) / all mutants; equivalent survivors are argued below.",
+        "Score = killed (incl. timeouts) / mutants run (a mutant no test covers counts as not",
+        "killed; one the run did not reach is left out and counted under *not run*);",
+        "equivalent survivors are argued below.",
         "",
-        "| module | mutants | killed | survived | equivalent (argued) | no test | score |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| module | mutants | killed | survived | equivalent (argued) | no test | not run "
+        "| score |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     total = Counter[str]()
     for module in sorted(per_module):
         c = per_module[module]
         n = sum(c.values())
+        run = n - c["not checked"]
         killed = sum(c[s] for s in KILLED)
         survivors = [m for m, s in statuses.items() if module_of(m) == module and s == "survived"]
         equiv = sum(m in argued for m in survivors)
-        total.update({"n": n, "killed": killed, "survived": c["survived"], "equiv": equiv})
-        total["no tests"] += c["no tests"]
+        total.update({"n": n, "run": run, "killed": killed, "survived": c["survived"]})
+        total.update({"equiv": equiv, "no tests": c["no tests"], "not run": c["not checked"]})
         lines.append(
             f"| `{module}` | {n} | {killed} | {c['survived']} | {equiv} | {c['no tests']} "
-            f"| {100 * killed / n:.1f}% |"
+            f"| {c['not checked']} | {100 * killed / max(run, 1):.1f}% |"
         )
-    n = total["n"] or 1
     lines.append(
         f"| **all** | {total['n']} | {total['killed']} | {total['survived']} | {total['equiv']} "
-        f"| {total['no tests']} | **{100 * total['killed'] / n:.1f}%** |"
+        f"| {total['no tests']} | {total['not run']} "
+        f"| **{100 * total['killed'] / max(total['run'], 1):.1f}%** |"
     )
     lines += ["", "## Survivors", ""]
-    survivors = sorted(m for m, s in statuses.items() if s not in KILLED)
+    survivors = sorted(m for m, s in statuses.items() if s not in KILLED | {"not checked"})
     if not survivors:
         lines.append("None.")
     for m in survivors:
@@ -110,10 +122,21 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--report", action="store_true", help="only write the report")
     parser.add_argument("--max-children", default="2")
+    parser.add_argument("--from", dest="listings", nargs="+", type=Path, default=[])
     args = parser.parse_args()
-    if not args.report:
-        subprocess.run([*MUTMUT, "run", "--max-children", args.max_children], cwd=ROOT, check=True)
-    statuses = results()
+    if args.listings:
+        statuses: dict[str, str] = {}
+        for listing in args.listings:  # a later run's modules replace an earlier run's
+            later = parse_listing(listing.read_text())
+            redone = {module_of(m) for m in later}
+            statuses = {m: s for m, s in statuses.items() if module_of(m) not in redone}
+            statuses.update(later)
+    else:
+        if not args.report:
+            subprocess.run(
+                [*MUTMUT, "run", "--max-children", args.max_children], cwd=ROOT, check=True
+            )
+        statuses = results()
     REPORT.parent.mkdir(exist_ok=True)
     REPORT.write_text(report(statuses))
     print(REPORT.read_text())
