@@ -73,3 +73,32 @@ def test_units_are_si_or_iec_by_name(text: str, expected: int) -> None:
 )
 def test_format_size_by_hand(n: float | None, expected: str) -> None:
     assert format_size(n) == expected
+
+
+def test_budget_bounds_and_their_messages() -> None:
+    """One PiB is the largest budget and one MiB the smallest, both inclusive; each refusal
+    says which rule it broke (the messages a user sees, exactly)."""
+    assert parse_size("1024TiB") == 2**50
+    assert parse_size("1MiB") == 2**20
+    with pytest.raises(UserError) as too_big:
+        parse_size("1125899906842625B")  # 2**50 + 1
+    assert str(too_big.value) == (
+        "invalid budget '1125899906842625B': more than 1024 TiB per device"
+    )
+    with pytest.raises(UserError) as zero:
+        parse_size("0GB")
+    assert str(zero.value) == "invalid budget '0GB': it must be greater than zero"
+    with pytest.raises(UserError) as small:
+        parse_size("0.5B")  # positive, but under the smallest budget
+    assert str(small.value) == "invalid budget '0.5B': under 1 MiB, no model trains in it"
+    with pytest.raises(UserError) as unitless:
+        parse_size("24")
+    assert str(unitless.value) == (
+        "invalid budget '24': use a number and a unit, e.g. 24GB, 24GiB, 500MB, 1.5GiB"
+    )
+
+
+def test_format_size_whole_bytes_and_four_digit_values() -> None:
+    assert format_size(5.7) == "5 B"  # bytes are whole
+    assert format_size(1000 * 1024) == "1000 KiB"  # four digits, never 1e+03
+    assert format_size(999.4 * 1024) == "999 KiB"
