@@ -251,3 +251,28 @@ def test_proxy_keeps_the_family_and_the_grouped_query_ratio() -> None:
     assert model_family(llama7b) == model_family(REGISTRY["llama-2-13b"].config)
     assert model_family(llama7b) != model_family({**llama7b, "rms_norm_eps": 1e-6 * 3})
     assert model_family(llama7b).startswith("llama-") and len(model_family(llama7b)) == 12
+
+
+def test_the_tolerances_are_inclusive() -> None:
+    # |1001 - 1000| / 1000 is exactly 1e-3 in floating point: at the tolerance passes
+    at = against_reference([1001.0], [1000.0])
+    assert at.ok is True and at.regression == EXACT_RTOL
+    assert against_reference([], [1.0]).note == "no loss curve to compare"
+    nan = against_reference([math.nan], [1.0])
+    assert (nan.via, nan.tolerance) == ("reference", EXACT_RTOL)
+
+
+def test_probe_tolerance_and_noise_band_boundaries(cache: Path) -> None:
+    # references 1.0 and 3.0: noise (3 - 1) / 2 = 1.0; candidates 1.25 and 3.75: +25% each
+    exact = {
+        ("fp32", 0): _curve(1.0),
+        ("fp32", 1): _curve(3.0),
+        ("bf16", 0): _curve(1.25),
+        ("bf16", 1): _curve(3.75),
+    }
+    v = _probe(exact).judge({"precision": "bf16"}, tolerance=0.25)
+    assert (v.regression, v.noise) == (0.25, 1.0)
+    assert v.ok is True  # a regression at the tolerance passes
+    assert "noise band" in v.note  # 1.0 > 0.25
+    at_noise = _probe(exact).judge({"precision": "bf16"}, tolerance=1.0)
+    assert "noise band" not in at_noise.note  # the band at the tolerance is not wider

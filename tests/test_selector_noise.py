@@ -166,3 +166,63 @@ def test_simplicity_order() -> None:
 
 def test_decide_without_feasible_rows() -> None:
     assert decide([]) == (None, [], 0.05)
+
+
+def test_the_answer_lines_in_full(tmp_path: Path) -> None:
+    """Every part of a class line, worked out by hand: the winner, its peak and speed, up to
+    three ties and how many more, the margin, and each kind of loss verdict in words."""
+    study = _study(tmp_path, allow="adapters")
+    simplest = _add(
+        study,
+        {"gradient_checkpointing": "full"},
+        1000,
+        verdict=LossVerdict("reference", True, 0.0, 1e-3),
+    )
+    for tps in (1040, 1030, 1020, 1010):  # four ties within 5%, each a technique more
+        _add(study, {"gradient_checkpointing": "full", "zero_stage": 2}, tps)
+    _add(
+        study,
+        {"optimizer": "adamw_8bit"},
+        900,
+        verdict=LossVerdict("probe", False, 0.05, 0.02, None),
+    )
+    lion = _add(
+        study, {"optimizer": "lion"}, 800, verdict=LossVerdict("none", None, note="probe failed: x")
+    )
+    lines = class_summary(select(study), describe)
+    ties = "; ties with #1, #2, #3 and 1 more within 5%: the simplest is named"
+    assert lines[0] == (
+        f"full training, exact or mixed precision: trial {simplest}: "
+        f"{describe({**PLAIN, 'gradient_checkpointing': 'full'})}: peak 100 MiB of 200 MiB, "
+        f"1,000 tokens/s{ties}; loss: matches the reference to 0e+00 per step (within 1e-03)"
+    )
+    assert lines[1] == (
+        "if you accept 8-bit optimizer state: 1 tried, none passes: 1 fit 200 MiB but regress "
+        "the loss"
+    )
+    assert lines[2].endswith(
+        f"trial {lion}: {describe({**PLAIN, 'optimizer': 'lion'})}: peak 100 MiB of 200 MiB, "
+        "800 tokens/s; loss: no verdict: probe failed: x"
+    )
+    assert lines[3] == "with LoRA adapters on a frozen base: not tried"
+
+
+def test_verdicts_in_words() -> None:
+    from autotune.selector import Row, verdict_text
+
+    def row(verdict: LossVerdict | None, role: str = "") -> Row:
+        return Row(0, {}, "ok", 1, 1.0, None, None, True, None, role=role, verdict=verdict)
+
+    assert verdict_text(row(None)) == "no verdict (did not run to the end)"
+    ref = LossVerdict("reference", True, 0.0, 1e-3, note="this is the reference")
+    assert verdict_text(row(ref, role="reference")) == "the reference"
+    assert verdict_text(row(LossVerdict("reference", False, 0.02, 1e-3))) == (
+        "matches the reference to 2e-02 per step (over 1e-03)"
+    )
+    assert verdict_text(row(LossVerdict("probe", True, -0.0123, 0.02, 0.004, "proxy p"))) == (
+        "-1.23% ±0.40% seed noise on a probe, within tolerance 2% (proxy p)"
+    )
+    assert verdict_text(row(LossVerdict("probe", False, 0.05, 0.02, None, "proxy q"))) == (
+        "+5.00% on a probe, over tolerance 2% (proxy q)"
+    )
+    assert verdict_text(row(LossVerdict("none", None, note="adapters"))) == "no verdict: adapters"
