@@ -107,13 +107,18 @@ def test_traced_matches_a_real_measured_cpu_trial(extra: dict, tmp_path: Path) -
     )
 
 
+#: measured agreement of the analytical peak with the trace on these five configurations:
+#: +0.81%, +0.74%, -1.10%, +0.26%, +0.21%; the test allows about twice the worst
+TINY_AGREEMENT = 0.025
+
+
 @pytest.mark.parametrize("extra", TINY_CONFIGS)
-def test_analytical_within_10_percent_of_traced_on_tiny(extra: dict, tmp_path: Path) -> None:
+def test_analytical_agrees_with_traced_on_tiny(extra: dict, tmp_path: Path) -> None:
     config = {**BASE, "optimizer": "adamw", **extra}
     kw = {"seq_len": 64, "global_batch_size": 8}
     traced = TracedEstimator(cache=tmp_path).estimate(TINY, config, **kw)
     analytical = AnalyticalEstimator().estimate(TINY, config, **kw)
-    assert analytical.peak_bytes == pytest.approx(traced.peak_bytes, rel=0.10)
+    assert analytical.peak_bytes == pytest.approx(traced.peak_bytes, rel=TINY_AGREEMENT)
 
 
 def test_traced_and_analytical_agree_on_llama7b_and_cache(tmp_path: Path) -> None:
