@@ -34,13 +34,16 @@ from typing import Any
 
 from autotune.models import ModelStats, stats_of
 from trials.techniques import OPTIMIZERS
+from trials.techniques.quantization import LORA_RANK
+from trials.techniques.zero import zero_stage
 
 Shape = tuple[int, ...]
 
-#: bytes per base weight when quantized, as trials/quantization.py builds them (bitsandbytes:
-#: int8 with a row-wise fp32 scale; nf4 in blocks of 64 with an fp32 absmax, no double quant)
+#: bytes per base weight when quantized, as trials/techniques/quantization.py builds them
+#: (bitsandbytes: int8 with a row-wise fp32 scale; nf4 in blocks of 64 with an fp32 absmax, no
+#: double quant)
 QUANT_BYTES = {"int8": 1.0 + 4 / 4096, "nf4": (4 + 32 / 64) / 8}
-DEFAULT_LORA_R = 8  # trials.quantization.LORA_RANK
+DEFAULT_LORA_R = LORA_RANK  # the trial's LoRA rank
 DS_PREFETCH_PARAMS = 50_000_000  # DeepSpeed stage3_prefetch_bucket_size default
 DS_REDUCE_BUCKET = 500_000_000  # DeepSpeed reduce_bucket_size default (elements)
 #: DeepSpeed's estimators multiply host memory by this (pinned buffers, allocator slack)
@@ -88,8 +91,12 @@ def optimizer_state_bytes(name: str, shapes: list[Shape] | tuple[Shape, ...]) ->
     return int(OPTIMIZERS[name].state_bytes_per_param * sum(numel(s) for s in shapes))
 
 
-def uses_deepspeed(config: dict[str, Any]) -> bool:
-    return bool(config.get("deepspeed")) or int(config.get("zero_stage", 0) or 0) > 0
+def deepspeed_states(config: dict[str, Any]) -> bool:
+    """Whether the model states are counted as DeepSpeed's ZeRO keeps them (16-bit weights
+    beside fp32 master partitions): a ZeRO stage above 0, or the traced estimator's marker
+    ``deepspeed``. Not ``trials.techniques.zero.runs_deepspeed`` (which engine the job runs,
+    stage 0 included): a stage-0 trial's states are estimated as plain training's."""
+    return bool(config.get("deepspeed")) or zero_stage(config) > 0
 
 
 @dataclass
