@@ -80,15 +80,9 @@ def model_optimizer_bytes(st: ModelStats, name: str) -> int:
 
 
 def optimizer_state_bytes(name: str, shapes: list[Shape] | tuple[Shape, ...]) -> int:
-    """fp32 state bytes of the optimizer for these parameters (step counters ignored)."""
-    if name == "adafactor":  # factored second moment: a row and a column vector per matrix
-        return sum(4 * (s[-2] + s[-1]) if len(s) >= 2 else 4 * numel(s) for s in shapes)
-    if name == "adamw_8bit":  # bitsandbytes: 8-bit states from 4096 values, fp32 below
-        return sum(
-            2 * numel(s) + 8 * ((numel(s) + 255) // 256) if numel(s) >= 4096 else 8 * numel(s)
-            for s in shapes
-        )
-    return int(OPTIMIZERS[name].state_bytes_per_param * sum(numel(s) for s in shapes))
+    """State bytes of the optimizer for these parameters (step counters ignored): its module's
+    term (``trials.techniques.optimizer``, ``OptimizerChoice.state_bytes``)."""
+    return OPTIMIZERS[name].state_bytes(shapes)
 
 
 def deepspeed_states(config: dict[str, Any]) -> bool:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,22 +44,52 @@ def _adamw_8bit(params: Iterable[nn.Parameter], lr: float) -> torch.optim.Optimi
     return bnb.optim.AdamW8bit(params, lr=lr, weight_decay=0.0)  # type: ignore[no-any-return]
 
 
+Shape = tuple[int, ...]
+#: parameter shapes -> the optimizer's state bytes for them (the estimator's term)
+StateBytes = Callable[[Sequence[Shape]], int]
+
+
+def _numel(shape: Shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _per_param(nbytes: float) -> StateBytes:
+    return lambda shapes: int(nbytes * sum(_numel(s) for s in shapes))
+
+
+def _factored(shapes: Sequence[Shape]) -> int:
+    """Adafactor's factored second moment: a row and a column vector per matrix (fp32)."""
+    return sum(4 * (s[-2] + s[-1]) if len(s) >= 2 else 4 * _numel(s) for s in shapes)
+
+
+def _bnb_8bit(shapes: Sequence[Shape]) -> int:
+    """bitsandbytes: two 8-bit states (and an fp32 absmax per 256) from 4096 values, fp32
+    below."""
+    return sum(
+        2 * _numel(s) + 8 * ((_numel(s) + 255) // 256) if _numel(s) >= 4096 else 8 * _numel(s)
+        for s in shapes
+    )
+
+
 @dataclass(frozen=True)
 class OptimizerChoice:
     factory: OptimizerFactory
     lossy: bool  # differs numerically from the AdamW reference
     hf_name: str  # TrainingArguments.optim
-    state_bytes_per_param: float  # for the analytical estimator (fp32 states)
+    state_bytes: StateBytes  # for the estimators (step counters ignored)
 
 
 OPTIMIZERS: dict[str, OptimizerChoice] = {
-    "adamw": OptimizerChoice(_adamw, lossy=False, hf_name="adamw_torch", state_bytes_per_param=8),
+    "adamw": OptimizerChoice(_adamw, lossy=False, hf_name="adamw_torch", state_bytes=_per_param(8)),
     "adafactor": OptimizerChoice(
-        _adafactor, lossy=True, hf_name="adafactor", state_bytes_per_param=0
+        _adafactor, lossy=True, hf_name="adafactor", state_bytes=_factored
     ),
-    "lion": OptimizerChoice(_lion, lossy=True, hf_name="lion_32bit", state_bytes_per_param=4),
+    "lion": OptimizerChoice(_lion, lossy=True, hf_name="lion_32bit", state_bytes=_per_param(4)),
     "adamw_8bit": OptimizerChoice(
-        _adamw_8bit, lossy=True, hf_name="adamw_bnb_8bit", state_bytes_per_param=2
+        _adamw_8bit, lossy=True, hf_name="adamw_bnb_8bit", state_bytes=_bnb_8bit
     ),
 }
 
