@@ -327,6 +327,8 @@ class AutotuneSampler(BaseSampler):
         plan = self.plan([*observations(study), *running])
         if plan is not None:
             self._plans[trial.number] = plan
+            # Optuna offers a sampler no public setter for a trial's system attrs; its own
+            # samplers (optuna/samplers/_grid.py) write through the storage like this
             study._storage.set_trial_system_attr(trial._trial_id, PLAN_ATTR, plan)
 
     def infer_relative_search_space(

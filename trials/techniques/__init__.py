@@ -64,20 +64,31 @@ class Registry:
     (computed on each call: a technique registered later, e.g. by a test, is seen at once)."""
 
     def __init__(self, techniques: list[Technique]) -> None:
-        self._techniques = list(techniques)
+        self._techniques: list[Technique] = []
+        self._knobs: dict[str, Knob] = {}  # by dimension, in order
+        for technique in techniques:
+            self.register(technique)
 
     def __iter__(self) -> Iterator[Technique]:
         return iter(list(self._techniques))
 
     def register(self, technique: Technique) -> None:
-        taken = {k.name for k in self.knobs()}
-        clash = [k.name for k in technique.knobs if k.name in taken]
+        clash = [k.name for k in technique.knobs if k.name in self._knobs]
         if clash:
             raise ValueError(f"dimension '{clash[0]}' is already a registered technique's")
         self._techniques.append(technique)
+        self._index()
 
     def unregister(self, technique: Technique) -> None:
         self._techniques.remove(technique)
+        self._index()
+
+    def _index(self) -> None:
+        self._knobs = {k.name: k for t in self._techniques for k in t.knobs}
+        #: (dimension, str(choice)) -> fidelity class, for the choices that are not exact
+        self._fidelity = {
+            (k.name, str(v)): cls for k in self._knobs.values() for v, cls in k.fidelity.items()
+        }
 
     @contextmanager
     def extended(self, technique: Technique) -> Iterator[Technique]:
@@ -91,10 +102,15 @@ class Registry:
     # --- per dimension ----------------------------------------------------------------------
 
     def knobs(self) -> list[Knob]:
-        return [k for t in self._techniques for k in t.knobs]
+        return list(self._knobs.values())
 
     def knob(self, dimension: str) -> Knob | None:
-        return next((k for k in self.knobs() if k.name == dimension), None)
+        return self._knobs.get(dimension)
+
+    def fidelity(self, dimension: str, choice: object) -> str:
+        """The class one choice puts a configuration in (``exact`` when it changes no
+        numerics: the choices its ``Knob.fidelity`` does not list)."""
+        return self._fidelity.get((dimension, str(choice)), "exact")
 
     def known_dimensions(self) -> dict[str, tuple[Choice, ...] | None]:
         """dimension -> the values it may take (None: any positive integer)."""
@@ -143,20 +159,14 @@ REGISTRY = Registry(_BUILT_IN)
 
 def choice_fidelity(dimension: str, choice: object) -> str:
     """The class one choice puts a configuration in (``exact`` when it changes no numerics)."""
-    knob = REGISTRY.knob(dimension)
-    if knob is None:
-        return "exact"
-    return next((c for v, c in knob.fidelity.items() if str(v) == str(choice)), "exact")
+    return REGISTRY.fidelity(dimension, choice)
 
 
 def fidelity_class(config: Config) -> str:
     """The worst (latest in ``FIDELITY_CLASSES``) class among the config's choices."""
     worst = 0
-    for knob in REGISTRY.knobs():
-        if knob.name in config:
-            worst = max(
-                worst, FIDELITY_CLASSES.index(choice_fidelity(knob.name, config[knob.name]))
-            )
+    for dimension, choice in config.items():
+        worst = max(worst, FIDELITY_CLASSES.index(choice_fidelity(dimension, choice)))
     return FIDELITY_CLASSES[worst]
 
 
