@@ -34,15 +34,11 @@ from typing import Any
 
 from autotune.models import ModelStats, stats_of
 from trials.techniques import OPTIMIZERS
-from trials.techniques.quantization import LORA_RANK
+from trials.techniques.quantization import LORA_RANK, WEIGHT_BYTES
 from trials.techniques.zero import zero_stage
 
 Shape = tuple[int, ...]
 
-#: bytes per base weight when quantized, as trials/techniques/quantization.py builds them
-#: (bitsandbytes: int8 with a row-wise fp32 scale; nf4 in blocks of 64 with an fp32 absmax, no
-#: double quant)
-QUANT_BYTES = {"int8": 1.0 + 4 / 4096, "nf4": (4 + 32 / 64) / 8}
 DEFAULT_LORA_R = LORA_RANK  # the trial's LoRA rank
 DS_PREFETCH_PARAMS = 50_000_000  # DeepSpeed stage3_prefetch_bucket_size default
 DS_REDUCE_BUCKET = 500_000_000  # DeepSpeed reduce_bucket_size default (elements)
@@ -237,7 +233,7 @@ def _quantized(
     if key not in _STATE_BYTES:
         _STATE_BYTES[key] = optimizer_state_bytes(opt, lora_shapes)
     # embeddings, norms and the head stay frozen in fp32, as the trial job builds them
-    frozen = int(quantized * QUANT_BYTES[quant]) + 4 * (st.n_params - quantized)
+    frozen = int(quantized * WEIGHT_BYTES[quant]) + 4 * (st.n_params - quantized)
     return ModelStates(
         {
             "parameters": frozen + 4 * lora,

@@ -23,6 +23,10 @@ if TYPE_CHECKING:
 #: LoRA on every linear layer but the output head (QLoRA's recipe, Dettmers et al. 2023)
 LORA_RANK = 8
 LORA_ALPHA = 16
+#: stored bytes per quantized base weight, as ``_int8_linear``/``_nf4_linear`` make them
+#: (bitsandbytes: int8 with a row-wise fp32 scale; nf4 in blocks of 64 with an fp32 absmax, no
+#: double quant); the analytical estimator's term
+WEIGHT_BYTES = {"int8": 1.0 + 4 / 4096, "nf4": (4 + 32 / 64) / 8}
 
 
 def add_lora(model: nn.Module, rank: int = LORA_RANK, alpha: int = LORA_ALPHA) -> nn.Module:
