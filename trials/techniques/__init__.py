@@ -61,11 +61,13 @@ __all__ = [
 
 class Registry:
     """The registered techniques, in order, and the tables every consumer derives from them
-    (computed on each call: a technique registered later, e.g. by a test, is seen at once)."""
+    (derived on each call or re-indexed on each registration: a technique registered later,
+    e.g. by a test, is seen at once)."""
 
     def __init__(self, techniques: list[Technique]) -> None:
         self._techniques: list[Technique] = []
         self._knobs: dict[str, Knob] = {}  # by dimension, in order
+        self._fidelity: dict[tuple[str, str], str] = {}
         for technique in techniques:
             self.register(technique)
 
