@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console
@@ -11,26 +10,9 @@ from rich.table import Table
 
 from autotune.selector import GROUPS, Row, Selection, class_summary
 from autotune.units import format_size
+from trials.techniques import REGISTRY
 
 STATUS_STYLE = {"ok": "green", "oom": "red", "failed": "magenta", "running": "yellow"}
-#: how each dimension is abbreviated in the table's config column
-SHORT: dict[str, Callable[[Any], str]] = {
-    "gradient_checkpointing": lambda v: {"off": "", "full": "ckpt", "selective": "ckpt/sel"}[v],
-    "checkpoint_every": lambda v: f"k={v}",
-    "precision": str,
-    "attention": str,
-    "optimizer": str,
-    "micro_batch_size": lambda v: f"mb={v}",
-    "zero_stage": lambda v: f"zero{v}" if v else "",
-    "offload_optimizer": lambda v: "" if v == "none" else "off-opt",
-    "offload_param": lambda v: "" if v == "none" else "off-param",
-    "quantization": lambda v: "" if v == "none" else f"{v}+lora",
-    "reduce_bucket_size": lambda v: f"rb={v:.0e}",
-    "allgather_bucket_size": lambda v: f"ag={v:.0e}",
-    "overlap_comm": lambda v: "overlap" if v else "",
-    "contiguous_gradients": lambda v: "" if v else "noncontig",
-    "expandable_segments": lambda v: "expseg" if v else "",
-}
 
 
 def _peak_cell(row: Row) -> str:
@@ -60,8 +42,16 @@ def status_text(row: Row) -> str:
     return text
 
 
+def _short(dimension: str, value: Any) -> str:
+    """A choice as the table's config column shows it (its technique's ``Knob.short``)."""
+    knob = REGISTRY.knob(dimension)
+    if knob is None or knob.short is None:
+        return f"{dimension}={value}"
+    return knob.short(value)
+
+
 def describe(config: dict[str, Any]) -> str:
-    parts = [SHORT[k](v) if k in SHORT else f"{k}={v}" for k, v in config.items()]
+    parts = [_short(k, v) for k, v in config.items()]
     return " ".join(p for p in parts if p)
 
 

@@ -1,7 +1,9 @@
 """The winner, written as configs people already train with.
 
 One table of exporters; each turns (trial config, study settings, the user's own settings) into a
-file's content. An export says what the study decided and nothing else:
+file's content, from every registered technique's part of it (``trials.techniques``: each
+technique's ``deepspeed``, ``training_arguments``, ``accelerate``, ``axolotl`` and ``companion``
+hooks) and the study's settings. An export says what the study decided and nothing else:
 
 * tuned choices (micro-batch and accumulation, precision, checkpointing, optimizer, ZeRO stage,
   offload, buckets, attention kernel) are written as values;
@@ -30,7 +32,10 @@ from autotune.errors import UserError
 from autotune.study import StudySettings
 from autotune.terminal import printable
 from trials import zero
-from trials.techniques import ATTENTION, OPTIMIZERS
+from trials.techniques import REGISTRY, Run
+from trials.techniques.attention import attn_implementation
+from trials.techniques.micro_batch import micro_and_accumulation
+from trials.techniques.zero import runs_deepspeed
 
 
 @dataclass(frozen=True)
@@ -48,15 +53,23 @@ NOT_TUNED = ("learning_rate", "lr_scheduler", "weight_decay", "output_dir", "max
 NO_CLIPPING = 0.0
 
 
-def _micro_and_accum(config: dict[str, Any], settings: StudySettings) -> tuple[int, int]:
-    micro = int(config.get("micro_batch_size", settings.global_batch_size))
-    per_rank_global = settings.global_batch_size
-    return micro, max(1, per_rank_global // micro)
-
-
 def _device(settings: StudySettings) -> str:
     """Where the configuration is meant to run: ``--backend estimate`` predicts for a GPU."""
     return "cpu" if settings.backend == "cpu" else "cuda"
+
+
+def _run(config: dict[str, Any], settings: StudySettings) -> Run:
+    """The trial's batch shape (the global batch is per process), processes, device and lr."""
+    micro, accum = micro_and_accumulation(config, settings.global_batch_size)
+    return Run(micro, accum, settings.nproc, _device(settings), settings.lr)
+
+
+def _parts(hook: str, config: dict[str, Any], run: Run) -> dict[str, Any]:
+    """Every registered technique's keys for one export (``Technique.<hook>``), in order."""
+    out: dict[str, Any] = {}
+    for technique in REGISTRY:
+        out.update(getattr(technique, hook)(config, run))
+    return out
 
 
 def measured_on(settings: StudySettings) -> str:
@@ -71,14 +84,6 @@ def measured_on(settings: StudySettings) -> str:
     return "measured on CUDA GPU (autotune --backend cuda)"
 
 
-def every_n_layers(config: dict[str, Any]) -> int | None:
-    """Checkpointing as transformers' ``every_n_layers`` (None: off), as the trial applied it."""
-    ckpt = str(config.get("gradient_checkpointing", "off"))
-    if ckpt == "off":
-        return None
-    return 1 if ckpt == "full" else int(config.get("checkpoint_every", 2))
-
-
 def deepspeed_config(
     config: dict[str, Any], settings: StudySettings, user: UserSettings = UserSettings()
 ) -> dict[str, Any]:
@@ -86,16 +91,7 @@ def deepspeed_config(
     with the optimizer hyperparameters the study did not tune handed back to the user: ``"auto"``
     (the Trainer or accelerate fills them from the user's settings) or the user's flags; betas
     and eps are left out, so AdamW's defaults apply (the trial's, torch's and the Trainer's)."""
-    micro, accum = _micro_and_accum(config, settings)
-    ds = zero.deepspeed_config(
-        config,
-        micro,
-        accum,
-        str(config.get("precision", "fp32")),
-        settings.nproc,
-        settings.lr,
-        _device(settings),
-    )
+    ds = zero.deepspeed_config(config, _run(config, settings))
     if "optimizer" in ds:
         params = ds["optimizer"]["params"]
         for key in ("betas", "eps"):
@@ -113,20 +109,10 @@ def hf_training_arguments(
 ) -> dict[str, Any]:
     """Keyword arguments for ``transformers.TrainingArguments(**d)`` (no ``output_dir``: the
     user's; the attention kernel is in the companion file)."""
-    micro, accum = _micro_and_accum(config, settings)
-    precision = config.get("precision", "fp32")
     args: dict[str, Any] = {
-        "per_device_train_batch_size": micro,
-        "gradient_accumulation_steps": accum,
-        "bf16": precision == "bf16",
-        "fp16": precision == "fp16",
-        "optim": OPTIMIZERS[config.get("optimizer", "adamw")].hf_name,
+        **_parts("training_arguments", config, _run(config, settings)),
         "max_grad_norm": NO_CLIPPING,
     }
-    every = every_n_layers(config)
-    if every is not None:  # the trial's checkpointing, every layer or every k-th
-        args["activation_checkpointing"] = True
-        args["activation_checkpointing_kwargs"] = {"use_reentrant": False, "every_n_layers": every}
     if _device(settings) == "cpu":
         args["use_cpu"] = True  # what was measured; a GPU study's export has no such key
     if user.lr is not None:
@@ -144,12 +130,11 @@ def accelerate_config(
     """An ``accelerate`` config file (``accelerate launch --config_file``). For a ZeRO trial it
     names the DeepSpeed JSON (``deepspeed_config_file``), which carries precision, batch shape,
     clipping and the optimizer; accelerate reads those from it."""
-    precision = config.get("precision", "fp32")
     multi = "MULTI_CPU" if _device(settings) == "cpu" else "MULTI_GPU"
     cfg: dict[str, Any] = {
         "compute_environment": "LOCAL_MACHINE",
         "distributed_type": "NO" if settings.nproc == 1 else multi,
-        "mixed_precision": {"fp32": "no"}.get(precision, precision),
+        **_parts("accelerate", config, _run(config, settings)),  # mixed_precision
         "num_machines": 1,
         "num_processes": settings.nproc,
         "machine_rank": 0,
@@ -158,7 +143,7 @@ def accelerate_config(
     }
     if deepspeed_path is not None:
         # accelerate refuses a mixed_precision key beside a DeepSpeed file (the file says it)
-        del cfg["mixed_precision"]
+        cfg.pop("mixed_precision", None)
         cfg["distributed_type"] = "DEEPSPEED"
         cfg["deepspeed_config"] = {
             "deepspeed_config_file": deepspeed_path,
@@ -172,17 +157,13 @@ def companion(
 ) -> dict[str, Any]:
     """``<stem>.autotune.json``: what a training script needs that the config files cannot say
     (with a DeepSpeed file, the batch shape is DeepSpeed's: accelerate refuses it twice)."""
-    micro, accum = _micro_and_accum(config, settings)
     return {
         "deepspeed_config": deepspeed_path,
         "measured_on": _device(settings) if settings.backend != "estimate" else "estimate",
         "note": measured_on(settings),
-        # keyword arguments of AutoModelForCausalLM.from_pretrained / from_config
-        "model_kwargs": {"attn_implementation": ATTENTION[str(config.get("attention", "sdpa"))]},
-        "micro_batch_size": micro,
-        "gradient_accumulation_steps": accum,
+        # model_kwargs (from_pretrained / from_config), the batch shape, checkpointing
+        **_parts("companion", config, _run(config, settings)),
         "processes": settings.nproc,
-        "checkpoint_every_n_layers": every_n_layers(config),
         "max_grad_norm": None,  # the trials do not clip gradients
         "not_tuned": list(NOT_TUNED),
         "model": settings.model,
@@ -192,7 +173,7 @@ def companion(
 
 def _header(config: dict[str, Any], settings: StudySettings, out: Path) -> str:
     """Comment lines for the formats that have comments (YAML, shell)."""
-    attention = ATTENTION[str(config.get("attention", "sdpa"))]
+    attention = attn_implementation(config)
     return (
         # the model name is a user's file name: on one line, so it stays inside the comment
         f"# autotune winner for {printable(settings.model)} within {settings.budget_label}: "
@@ -221,7 +202,7 @@ def _side_deepspeed(
     config: dict[str, Any], settings: StudySettings, out: Path, user: UserSettings
 ) -> str | None:
     """For a ZeRO trial, write its DeepSpeed JSON next to ``out`` and return the path."""
-    if not zero.uses_deepspeed(config):
+    if not runs_deepspeed(config):
         return None
     ds_file = out.with_name(out.stem + ".deepspeed.json")
     ds_file.write_text(_json(deepspeed_config(config, settings, user)))
@@ -244,7 +225,8 @@ def _render_hf(
 def _render_accelerate(
     config: dict[str, Any], settings: StudySettings, out: Path, user: UserSettings
 ) -> str:
-    micro, accum = _micro_and_accum(config, settings)
+    run = _run(config, settings)
+    micro, accum = run.micro_batch, run.accumulation
     ds_path = _side_deepspeed(config, settings, out, user)
     note = (
         f"# batch: micro-batch {micro} x {accum} accumulation steps per process "
@@ -257,15 +239,6 @@ def _render_accelerate(
     return _header(config, settings, out) + note + yaml.safe_dump(cfg, sort_keys=False)
 
 
-AXOLOTL_LORA = {"lora_r": 8, "lora_alpha": 16, "lora_dropout": 0.0, "lora_target_linear": True}
-#: ``quantization`` choice -> axolotl's ``adapter`` and its quantized-base-weight keys
-AXOLOTL_QUANTIZATION: dict[str, tuple[str | None, dict[str, bool]]] = {
-    "none": (None, {"load_in_4bit": False}),
-    "int8": ("lora", {"load_in_8bit": True, "load_in_4bit": False}),
-    "nf4": ("qlora", {"load_in_4bit": True}),
-}
-
-
 def axolotl_config(
     config: dict[str, Any],
     settings: StudySettings,
@@ -275,28 +248,16 @@ def axolotl_config(
     """The training keys of an axolotl YAML config (merge into one that names the model, the
     data and the learning rate, which axolotl requires). axolotl checkpoints every layer:
     selective checkpointing exports as full. Validated by axolotl's ``validate_config``."""
-    micro, accum = _micro_and_accum(config, settings)
-    precision = config.get("precision", "fp32")
-    attention = config.get("attention", "sdpa")
-    adapter, quantized = AXOLOTL_QUANTIZATION[str(config.get("quantization", "none"))]
     cfg: dict[str, Any] = {
         "sequence_len": settings.seq_len,
-        "micro_batch_size": micro,
-        "gradient_accumulation_steps": accum,
-        "gradient_checkpointing": every_n_layers(config) is not None,
-        "attn_implementation": ATTENTION[str(attention)],  # axolotl >= 0.19's key
-        "bf16": precision == "bf16",
-        "fp16": precision == "fp16",
-        **quantized,
-        "optimizer": OPTIMIZERS[config.get("optimizer", "adamw")].hf_name,
+        # batch shape, checkpointing, attention, precision, optimizer, quantization + LoRA
+        **_parts("axolotl", config, _run(config, settings)),
         "max_grad_norm": NO_CLIPPING,
     }
     if user.lr is not None:
         cfg["learning_rate"] = user.lr
     if user.weight_decay is not None:
         cfg["weight_decay"] = user.weight_decay
-    if adapter is not None:  # the trial's LoRA recipe (trials/quantization.py)
-        cfg |= {"adapter": adapter, **AXOLOTL_LORA}
     if deepspeed_path is not None:
         cfg["deepspeed"] = deepspeed_path
     return cfg
@@ -381,6 +342,6 @@ def export(
     text = EXPORTERS[fmt].render(config, settings, out, user)
     out.write_text(text)
     side = out.with_name(out.stem + ".deepspeed.json")
-    ds_path = str(out if fmt == "deepspeed" else side) if zero.uses_deepspeed(config) else None
+    ds_path = str(out if fmt == "deepspeed" else side) if runs_deepspeed(config) else None
     _companion_path(out).write_text(_json(companion(config, settings, ds_path)))
     return out

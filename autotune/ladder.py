@@ -1,8 +1,9 @@
 """The ablation ladder: from the plain baseline to the winner, one technique at a time.
 
 The baseline is plain training: fp32, no checkpointing, default attention, AdamW, no ZeRO, and
-the whole global batch in one micro-batch. A *technique* is one dimension on which the winner
-differs from the baseline (a dimension that exists only under a condition, such as
+the whole global batch in one micro-batch (each technique's ``Knob.baseline``, or
+``baseline_of``). A *technique* is one dimension on which the winner differs from the
+baseline (a dimension that exists only under a condition, such as
 ``checkpoint_every``, travels with the one it depends on). Each rung adds the technique that
 helps most from the rung below, greedily, judged by measurement: while the configuration is
 over the budget, the one that saves the most memory; once it fits, the one that is fastest and
@@ -26,18 +27,8 @@ from autotune.selector import Row, rows_of, select
 from autotune.space import Choice, SearchSpace
 from autotune.study import UNBOUNDED_ROLES, settings_of
 from autotune.units import format_size
+from trials.techniques import REGISTRY
 
-#: the value of each dimension that means "this technique is not used"
-BASELINE: dict[str, Choice] = {
-    "gradient_checkpointing": "off",
-    "precision": "fp32",
-    "attention": "sdpa",
-    "optimizer": "adamw",
-    "zero_stage": 0,
-    "offload_optimizer": "none",
-    "offload_param": "none",
-    "quantization": "none",
-}
 #: rounds of measuring one rung's candidates before ``run_ladder`` gives up
 MAX_ROUNDS = 16
 
@@ -84,12 +75,14 @@ class _NotAllowed(Exception):
 def baseline_config(space: SearchSpace, global_batch_size: int) -> dict[str, Any]:
     """Plain training within the space: each dimension's no-technique value where allowed."""
 
+    baseline = REGISTRY.baseline()
+
     def pick(name: str, choices: list[Choice]) -> Choice:
         dim = name.split("|", 1)[0]
-        if dim == "micro_batch_size":
-            sizes = [int(c) for c in choices]
-            return global_batch_size if global_batch_size in sizes else max(sizes)
-        wanted = BASELINE.get(dim, space.reference.get(dim, choices[0]))
+        knob = REGISTRY.knob(dim)
+        if knob is not None and knob.baseline_of is not None:
+            return knob.baseline_of(choices, global_batch_size)
+        wanted = baseline.get(dim, space.reference.get(dim, choices[0]))
         return wanted if wanted in choices else choices[0]
 
     return space.sample(pick)

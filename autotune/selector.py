@@ -26,7 +26,7 @@ from autotune.estimator.speed import MODEL_ERROR
 from autotune.lossguard import LossVerdict
 from autotune.study import settings_of
 from autotune.units import format_size
-from trials.techniques import classes_up_to, fidelity_class
+from trials.techniques import REGISTRY, classes_up_to, fidelity_class
 
 #: the smallest speed difference that names a winner (DeepSpeed's autotuner: 5%)
 NOISE_FLOOR = 0.05
@@ -47,17 +47,6 @@ GROUP_LABELS: dict[str, str] = {
     "reduced_state": "if you accept 8-bit optimizer state",
     "other_optimizer": "if you accept another optimizer (Adafactor, Lion)",
     "adapters": "with LoRA adapters on a frozen base",
-}
-#: plain training: a choice other than these is a technique (for "ties go to the simplest")
-PLAIN: dict[str, Any] = {
-    "gradient_checkpointing": "off",
-    "precision": "fp32",
-    "attention": "sdpa",
-    "optimizer": "adamw",
-    "quantization": "none",
-    "zero_stage": 0,
-    "offload_optimizer": "none",
-    "offload_param": "none",
 }
 
 
@@ -114,8 +103,10 @@ class Row:
 
 
 def simplicity(config: dict[str, Any]) -> tuple[int, int, int]:
-    """(techniques used, ZeRO stage, offloads): smaller is simpler."""
-    used = sum(1 for k, plain in PLAIN.items() if k in config and config[k] != plain)
+    """(techniques used, ZeRO stage, offloads): smaller is simpler. A technique is used where a
+    dimension differs from plain training (its ``Knob.baseline``)."""
+    plain = REGISTRY.baseline()
+    used = sum(1 for k, value in plain.items() if k in config and config[k] != value)
     offloads = sum(config.get(k, "none") != "none" for k in ("offload_optimizer", "offload_param"))
     return used, int(config.get("zero_stage", 0) or 0), offloads
 

@@ -20,39 +20,9 @@ from typing import Any
 from autotune.errors import UserError
 from autotune.hardware import Hardware, dimension_unavailable_reason, unavailable_reason
 from autotune.yaml_limits import load_yaml, parse_yaml
-from trials.techniques import (
-    ATTENTION,
-    CHECKPOINTING,
-    FIDELITY_CLASSES,
-    OPTIMIZERS,
-    PRECISIONS,
-    choice_fidelity,
-)
+from trials.techniques import FIDELITY_CLASSES, REGISTRY, Choice, choice_fidelity
 
-Choice = str | int | float | bool
-
-#: dimension -> the values it may take (None: any positive integer)
-KNOWN_DIMENSIONS: dict[str, tuple[Choice, ...] | None] = {
-    "gradient_checkpointing": tuple(CHECKPOINTING),
-    "checkpoint_every": None,
-    "precision": tuple(PRECISIONS),
-    "attention": tuple(ATTENTION),
-    "optimizer": tuple(OPTIMIZERS),
-    "micro_batch_size": None,
-    "zero_stage": (0, 1, 2, 3),
-    "offload_optimizer": ("none", "cpu"),
-    "offload_param": ("none", "cpu"),
-    "quantization": ("none", "int8", "nf4"),
-    # ZeRO knobs (trials.zero maps them to DeepSpeed's ``zero_optimization``); bucket sizes in
-    # elements
-    "reduce_bucket_size": None,
-    "allgather_bucket_size": None,
-    "overlap_comm": (True, False),
-    "contiguous_gradients": (True, False),
-    # the CUDA caching allocator's PYTORCH_CUDA_ALLOC_CONF=expandable_segments (less
-    # fragmentation, a lower reserved peak); the runner sets it per trial
-    "expandable_segments": (False, True),
-}
+__all__ = ["Choice", "Dimension", "Rule", "SearchSpace"]
 
 #: YAML 1.1 reads bare yes/no/on/off as booleans, and 5e6 (no dot) as a string: accept both
 _BOOL_WORDS = {"true": True, "yes": True, "on": True, "false": False, "no": False, "off": False}
@@ -117,8 +87,9 @@ class SearchSpace:
         dims: list[Dimension] = []
         for name, spec in raw_dims.items():
             where = f"dimensions.{name}"
-            if name not in KNOWN_DIMENSIONS:
-                raise bad(f"unknown dimension '{name}' (known: {', '.join(KNOWN_DIMENSIONS)})")
+            known = REGISTRY.known_dimensions()  # every registered technique's dimensions
+            if name not in known:
+                raise bad(f"unknown dimension '{name}' (known: {', '.join(known)})")
             if not isinstance(spec, dict):
                 raise bad(f"{where} must be a mapping with 'choices'")
             extra = set(spec) - _DIM_KEYS
@@ -186,11 +157,14 @@ class SearchSpace:
                 dropped.append(f"{d.name}: {whole}")
                 continue
             keep = []
+            knob = REGISTRY.knob(d.name)
             for c in d.choices:
-                if d.name == "micro_batch_size" and (
-                    not isinstance(c, int) or global_batch_size % c
+                if (
+                    knob is not None
+                    and knob.fits_batch
+                    and not knob.fits_batch(c, global_batch_size)
                 ):
-                    continue
+                    continue  # e.g. a micro-batch that does not divide the global batch
                 reason = unavailable_reason(hardware, d.name, c, present)
                 cls = choice_fidelity(d.name, c)
                 if not reason and cls not in allow:
@@ -352,9 +326,10 @@ def _holds(conditions: Mapping[str, tuple[Choice, ...]], config: Mapping[str, Ch
 
 
 def _check_value(dim: str, value: Any, where: str, bad: Callable[[str], UserError]) -> Choice:
-    if isinstance(value, bool) and dim == "gradient_checkpointing":
-        value = "full" if value else "off"  # YAML 1.1 reads a bare `off` as false
-    allowed = KNOWN_DIMENSIONS.get(dim)
+    knob = REGISTRY.knob(dim)
+    if isinstance(value, bool) and knob is not None and knob.from_bool is not None:
+        value = knob.from_bool[0] if value else knob.from_bool[1]  # YAML 1.1: bare `off` = false
+    allowed = knob.choices if knob is not None else None
     if allowed is None:
         value = _as_count(value)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -392,7 +367,7 @@ def _conditions(
     known = {d.name: d for d in earlier}
     out: dict[str, tuple[Choice, ...]] = {}
     for dim, values in raw.items():
-        if dim not in KNOWN_DIMENSIONS:
+        if dim not in REGISTRY.known_dimensions():
             raise bad(f"{where}: unknown dimension '{dim}'")
         vals = values if isinstance(values, list) else [values]
         if not vals:

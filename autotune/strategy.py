@@ -41,23 +41,11 @@ from optuna.distributions import BaseDistribution
 from optuna.samplers import BaseSampler, RandomSampler
 from optuna.trial import FrozenTrial, TrialState
 
-from trials.techniques import is_exact
+from trials.techniques import REGISTRY, is_exact
 
 Config = dict[str, Any]
 #: config -> (predicted peak bytes, predicted tokens/s)
 Predictor = Callable[[Config], tuple[float, float]]
-
-#: memory order of exact, monotone dimensions: a later value never needs less memory
-MONOTONE_MEMORY: dict[str, Callable[[Any], float]] = {
-    "micro_batch_size": float,
-    "gradient_checkpointing": lambda v: {"full": 0.0, "selective": 1.0, "off": 2.0}[v],
-    "offload_optimizer": lambda v: {"cpu": 0.0, "none": 1.0}[v],
-    "offload_param": lambda v: {"cpu": 0.0, "none": 1.0}[v],
-    # ZeRO's communication buckets are preallocated buffers of that many elements
-    "reduce_bucket_size": float,
-    "allgather_bucket_size": float,
-    "overlap_comm": float,  # overlapping keeps extra buffers in flight
-}
 
 
 #: ridge strength per lossy dimension for the loss-regression fit: the prior belief that a
@@ -83,13 +71,15 @@ def config_key(config: Config) -> tuple[tuple[str, str], ...]:
 
 def needs_no_less_memory(candidate: Config, known_oom: Config) -> bool:
     """True when ``candidate`` equals ``known_oom`` except in monotone dimensions, where it is
-    at least as memory-hungry: then it would run out of memory too."""
+    at least as memory-hungry: then it would run out of memory too. The memory order of a
+    dimension is its technique's (``Knob.memory_order``)."""
     if set(candidate) != set(known_oom):
         return False
+    monotone = REGISTRY.memory_orders()
     for dim, value in candidate.items():
         other = known_oom[dim]
-        if dim in MONOTONE_MEMORY:
-            order = MONOTONE_MEMORY[dim]
+        if dim in monotone:
+            order = monotone[dim]
             if order(value) < order(other):
                 return False
         elif value != other:
@@ -200,6 +190,7 @@ class AutotuneSampler(BaseSampler):
                 self._x[i, self._feature[(k, repr(v))]] = 1.0
         # per-dimension codes for the monotone OOM rule: NaN where the dimension is absent
         self._dims = sorted({k for c in self.candidates for k in c})
+        monotone = REGISTRY.memory_orders()
         values: dict[str, dict[str, int]] = {}
         codes = np.full((len(self.candidates), len(self._dims)), np.nan)
         for i, c in enumerate(self.candidates):
@@ -207,12 +198,12 @@ class AutotuneSampler(BaseSampler):
                 if d in c:
                     v = c[d]
                     codes[i, j] = (
-                        MONOTONE_MEMORY[d](v)
-                        if d in MONOTONE_MEMORY
+                        monotone[d](v)
+                        if d in monotone
                         else values.setdefault(d, {}).setdefault(repr(v), len(values[d]))
                     )
         self._codes = codes
-        self._monotone = np.array([d in MONOTONE_MEMORY for d in self._dims])
+        self._monotone = np.array([d in monotone for d in self._dims])
         self._plans: dict[int, Config] = {}
         self._fallback = RandomSampler(seed=seed)
 
@@ -336,6 +327,8 @@ class AutotuneSampler(BaseSampler):
         plan = self.plan([*observations(study), *running])
         if plan is not None:
             self._plans[trial.number] = plan
+            # Optuna offers a sampler no public setter for a trial's system attrs; its own
+            # samplers (optuna/samplers/_grid.py) write through the storage like this
             study._storage.set_trial_system_attr(trial._trial_id, PLAN_ATTR, plan)
 
     def infer_relative_search_space(

@@ -200,7 +200,9 @@ def load_existing(storage: RDBStorage, name: str | None) -> optuna.Study:
     if not summaries:
         raise UserError("no study in this storage yet: run `autotune run` first")
     if name is None:
-        name = max(summaries, key=lambda s: s._study_id).study_name
+        # the most recent: the highest id (the storage's public lookup, not FrozenStudy's
+        # private ``_study_id``)
+        name = max((s.study_name for s in summaries), key=storage.get_study_id_from_name)
     elif name not in {s.study_name for s in summaries}:
         known = ", ".join(s.study_name for s in summaries)
         raise UserError(f"no study named '{name}' (studies here: {known})")

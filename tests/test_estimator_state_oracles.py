@@ -15,7 +15,7 @@ from torch import nn
 
 from autotune.estimator.states import model_states
 from autotune.models import REGISTRY
-from trials.quantization import add_lora
+from trials.techniques.quantization import add_lora
 
 SMALL = {
     "tiny-llama": REGISTRY["tiny-llama"].config,
@@ -43,7 +43,7 @@ def _counted(model_cfg: dict, rank: int) -> tuple[int, int, int, int]:
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] == "lm_head":
             continue
-        if isinstance(module, nn.Linear):  # what trials.quantization.replace_linears swaps
+        if isinstance(module, nn.Linear):  # what quantization.replace_linears swaps
             quantized += module.weight.numel()
             rows += module.out_features
     adapted = add_lora(model, rank=rank)

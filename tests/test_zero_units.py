@@ -16,8 +16,8 @@ from tests.conftest import TINY, tiny_spec
 from trials.engines import TorchEngine
 from trials.job import build_model, rank_batch
 from trials.memory import CpuMemoryMonitor
-from trials.quantization import QUANTIZATION, add_lora
 from trials.spec import TrialResult
+from trials.techniques.quantization import QUANTIZATION, add_lora
 
 CPU = Hardware("cpu", has_deepspeed=True, has_cxx=True)
 A100 = Hardware(

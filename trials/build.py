@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trials.techniques import ATTENTION
+from trials.techniques.attention import ATTENTION
 
 #: ``params -> context`` in which those parameters are whole (ZeRO-3's GatheredParameters)
 Gather = Callable[[list[nn.Parameter]], ContextManager[Any]]

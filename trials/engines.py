@@ -19,29 +19,20 @@ from trials.build import build_model
 from trials.cuda import scaler_skipped
 from trials.memory import MemoryMonitor
 from trials.spec import TrialSpec
-from trials.techniques import OPTIMIZERS, PRECISIONS
+from trials.techniques import OPTIMIZERS, PRECISIONS, Run
+from trials.techniques.micro_batch import micro_and_accumulation
+from trials.techniques.offload import offloads_optimizer, offloads_params
+from trials.techniques.optimizer import DS_OPTIMIZERS
+from trials.techniques.precision import weight_dtype
+from trials.techniques.zero import runs_deepspeed
 from trials.zero import (
-    DS_OPTIMIZERS,
     deepspeed_config,
     ensure_distributed,
     gathered,
     offloaded_tensors,
-    offloads_optimizer,
-    offloads_params,
-    uses_deepspeed,
-    weight_dtype,
     zero3_init,
     zero_roles,
 )
-
-
-def micro_and_accumulation(spec: TrialSpec) -> tuple[int, int]:
-    micro = int(spec.config.get("micro_batch_size", spec.global_batch_size))
-    if micro < 1 or spec.global_batch_size % micro:
-        raise ValueError(
-            f"micro_batch_size {micro} does not divide global_batch_size {spec.global_batch_size}"
-        )
-    return micro, spec.global_batch_size // micro
 
 
 def world() -> tuple[int, int]:
@@ -53,10 +44,8 @@ def world() -> tuple[int, int]:
 
 def trial_deepspeed_config(spec: TrialSpec) -> dict[str, Any]:
     """The DeepSpeed JSON of this trial (this world's ranks, the spec's micro-batch)."""
-    micro, accum = micro_and_accumulation(spec)
-    cfg = spec.config
-    precision = str(cfg.get("precision", "fp32"))
-    return deepspeed_config(cfg, micro, accum, precision, world()[1], spec.lr, spec.backend)
+    micro, accum = micro_and_accumulation(spec.config, spec.global_batch_size)
+    return deepspeed_config(spec.config, Run(micro, accum, world()[1], spec.backend, spec.lr))
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -90,7 +79,7 @@ class Engine(ABC):
         self.spec = spec
         self.device = device
         self.monitor = monitor
-        self.micro, self.accum = micro_and_accumulation(spec)
+        self.micro, self.accum = micro_and_accumulation(spec.config, spec.global_batch_size)
         self.rank, self.world = world()
 
     @abstractmethod
@@ -265,4 +254,4 @@ ENGINES: dict[str, type[Engine]] = {"torch": TorchEngine, "deepspeed": DeepSpeed
 
 
 def engine_for(config: dict[str, Any]) -> str:
-    return "deepspeed" if uses_deepspeed(config) else "torch"
+    return "deepspeed" if runs_deepspeed(config) else "torch"

@@ -30,9 +30,9 @@ from trials.data import batch_for_step
 from trials.engines import ENGINES, engine_for, world
 from trials.lifeline import start_lifeline
 from trials.memory import MemoryMonitor, make_monitor
-from trials.quantization import QUANTIZATION, builds_on_host
 from trials.spec import TrialResult, TrialSpec, rank_result_path
-from trials.techniques import CHECKPOINTING
+from trials.techniques import REGISTRY
+from trials.techniques.quantization import builds_on_host
 
 __all__ = ["RANK_FAILED_EXIT", "build_model", "main", "run_trial"]
 
@@ -66,7 +66,8 @@ def step_statistics(times: list[float]) -> tuple[float, float]:
 
 def build(spec: TrialSpec, device: torch.device, monitor: MemoryMonitor) -> nn.Module:
     """The model as its engine trains it; quantized runs build on the host and reach the device
-    quantized (``trials.quantization``), so no full-precision copy is ever on the device."""
+    quantized (``trials.techniques.quantization``), so no full-precision copy is ever on the
+    device."""
     if builds_on_host(spec.config):
         with monitor.host_allocations(), torch.device("cpu"):
             return build_model(spec.model_config, spec.config.get("attention", "sdpa"), spec.seed)
@@ -101,11 +102,11 @@ def run_trial(spec: TrialSpec) -> TrialResult:
     alloc_conf = os.environ.get(ALLOC_CONF_ENV, "")
     try:
         with monitor:
-            # construction: build, techniques, engine; its peak is recorded apart
+            # construction: build, techniques (each registered one's ``apply``), engine; its
+            # peak is recorded apart
             model = build(spec, device, monitor)
             model.train()
-            CHECKPOINTING[cfg.get("gradient_checkpointing", "off")](model, cfg)
-            model = QUANTIZATION[str(cfg.get("quantization", "none"))](model, device)
+            model = REGISTRY.apply(model, cfg, device)
             engine = ENGINES[engine_for(cfg)](model, spec, device, monitor)
             monitor.end_construction()  # construction's peak is kept apart from training's
             for step in range(spec.warmup_steps):

@@ -6,8 +6,9 @@ the exported file is exactly what the trial ran.
 
 Choices that keep a ZeRO trial exact against the plain PyTorch trial of the same config:
 
-* ``optimizer.params.torch_adam = true`` without offload: DeepSpeed then builds
-  ``torch.optim.AdamW`` itself (the reference's optimizer), instead of its fused CUDA Adam.
+* ``optimizer.params.torch_adam = true`` without offload (``trials.techniques.optimizer``):
+  DeepSpeed then builds ``torch.optim.AdamW`` itself (the reference's optimizer), instead of
+  its fused CUDA Adam.
 * With ``offload_optimizer: cpu`` DeepSpeed insists on ``DeepSpeedCPUAdam`` (a C++/AVX build of
   the same AdamW update); its losses agree with torch's AdamW to ~1e-6 relative (see README).
 * ``gradient_clipping: 0`` because the plain trial does not clip.
@@ -23,100 +24,22 @@ from typing import Any
 
 import torch
 
-#: config key -> the ``zero_optimization`` key it sets, and the stages that use it
-ZERO_KNOBS: dict[str, tuple[str, tuple[int, ...]]] = {
-    "reduce_bucket_size": ("reduce_bucket_size", (1, 2, 3)),
-    "allgather_bucket_size": ("allgather_bucket_size", (1, 2)),
-    "overlap_comm": ("overlap_comm", (2, 3)),
-    "contiguous_gradients": ("contiguous_gradients", (2, 3)),
-}
-
-STAGE3_WORKING_SET = (
-    "stage3_max_live_parameters",
-    "stage3_max_reuse_distance",
-    "stage3_prefetch_bucket_size",
-)
-
-#: optimizer choice -> DeepSpeed ``optimizer.type``; others are passed to DeepSpeed as a client
-#: optimizer (the JSON then has no ``optimizer`` section) and cannot be offloaded.
-DS_OPTIMIZERS: dict[str, str] = {"adamw": "AdamW"}
-ADAM_BETAS = (0.9, 0.999)  # torch.optim.AdamW's defaults, which the reference uses
-ADAM_EPS = 1e-8
+from trials.techniques import REGISTRY
+from trials.techniques.base import Config, Run, merge
+from trials.techniques.offload import offloads_optimizer, offloads_params
 
 
-def uses_deepspeed(config: dict[str, Any]) -> bool:
-    return "zero_stage" in config
-
-
-def offloads_optimizer(config: dict[str, Any]) -> bool:
-    return int(config.get("zero_stage", 0)) >= 1 and config.get("offload_optimizer") == "cpu"
-
-
-def offloads_params(config: dict[str, Any]) -> bool:
-    return int(config.get("zero_stage", 0)) == 3 and config.get("offload_param") == "cpu"
-
-
-def deepspeed_config(
-    config: dict[str, Any],
-    micro_batch: int,
-    accumulation: int,
-    precision: str,
-    nproc: int,
-    lr: float,
-    backend: str = "cuda",
-) -> dict[str, Any]:
-    """The DeepSpeed JSON for a trial config (also what ``autotune export`` writes)."""
-    stage = int(config.get("zero_stage", 0))
-    pin = backend == "cuda"  # pinned host buffers speed up GPU<->CPU copies; moot on a CPU
-    zero: dict[str, Any] = {"stage": stage}
-    for key, (ds_key, stages) in ZERO_KNOBS.items():
-        if stage in stages and key in config:
-            value = config[key]
-            zero[ds_key] = bool(value) if isinstance(value, bool) else int(value)
-    if stage == 3 and "reduce_bucket_size" in config:
-        # Stage 3's working set of gathered parameters follows the same knob: with DeepSpeed's
-        # defaults (1e9 elements) nothing gathered is released before it is reused in backward,
-        # and a model under a billion parameters keeps every layer gathered, as without ZeRO-3.
-        for key in STAGE3_WORKING_SET:
-            zero[key] = int(config["reduce_bucket_size"])
-    if offloads_optimizer(config):
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
-    if offloads_params(config):
-        zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
+def deepspeed_config(config: Config, run: Run) -> dict[str, Any]:
+    """The DeepSpeed JSON for a trial config (also what ``autotune export`` writes): the trial's
+    semantics (no clipping, no console output) and every registered technique's ``deepspeed``
+    part (batch shape, precision, ZeRO stage, offload, buckets, optimizer), merged key by key."""
     ds: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": micro_batch,
-        "gradient_accumulation_steps": accumulation,
-        "train_batch_size": micro_batch * accumulation * nproc,
         "gradient_clipping": 0.0,
-        "bf16": {"enabled": precision == "bf16"},
-        "fp16": {
-            "enabled": precision == "fp16",
-            # dynamic loss scaling with torch.amp.GradScaler's defaults, which the plain trial
-            # (and the Trainer without DeepSpeed) uses: start at 2**16, halve on the first
-            # overflow, double after 2000 clean steps
-            "loss_scale": 0,
-            "initial_scale_power": 16,
-            "loss_scale_window": 2000,
-            "hysteresis": 1,
-            "min_loss_scale": 1,
-        },
-        "zero_optimization": zero,
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
-    optimizer = str(config.get("optimizer", "adamw"))
-    if optimizer in DS_OPTIMIZERS:
-        params: dict[str, Any] = {
-            "lr": lr,
-            "betas": list(ADAM_BETAS),
-            "eps": ADAM_EPS,
-            "weight_decay": 0.0,
-        }
-        if not offloads_optimizer(config):
-            params["torch_adam"] = True
-        ds["optimizer"] = {"type": DS_OPTIMIZERS[optimizer], "params": params}
-    elif stage > 0:
-        ds["zero_allow_untested_optimizer"] = True
+    for technique in REGISTRY:
+        merge(ds, technique.deepspeed(config, run))
     return ds
 
 
@@ -238,11 +161,6 @@ def gathered(params: list[torch.nn.Parameter]) -> Any:
     import deepspeed
 
     return deepspeed.zero.GatheredParameters(params, modifier_rank=0)
-
-
-def weight_dtype(precision: str) -> torch.dtype:
-    """The dtype DeepSpeed trains the model's own weights in (its fp32 master copy apart)."""
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
 
 
 # --- what each of DeepSpeed's buffers is, for the memory breakdown --------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from autotune.estimator.states import deepspeed_states
 from autotune.models import ModelStats
 
 
@@ -21,7 +22,7 @@ def layer_activation_bytes(st: ModelStats, config: dict[str, Any], seq_len: int,
     saved = (4 if st.gated_mlp else 2) + ACT_EXTRA_SAVED.get(st.hidden_act, 0)
     mlp_w = saved * st.intermediate * max(1, st.top_k)
     half = config.get("precision", "fp32") in ("bf16", "fp16")
-    pure16 = half and _deepspeed(config)
+    pure16 = half and deepspeed_states(config)
     if pure16:  # DeepSpeed runs the model in 16 bits: only the norms upcast (fitted to traces)
         per_token = 15 * h + 2 * (3 * q + 2 * kvw) + 2 * mlp_w
     elif half:
@@ -44,7 +45,3 @@ def layer_activation_bytes(st: ModelStats, config: dict[str, Any], seq_len: int,
 #: I-wide tensors an activation keeps beyond its input and output: GPT-2's ``gelu_new`` is
 #: written out in Python (tanh, 0.5x and 1 + tanh are saved for backward)
 ACT_EXTRA_SAVED = {"gelu_new": 3}
-
-
-def _deepspeed(config: dict[str, Any]) -> bool:
-    return bool(config.get("deepspeed")) or int(config.get("zero_stage", 0) or 0) > 0

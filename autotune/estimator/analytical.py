@@ -29,8 +29,9 @@ from autotune.estimator.activations import layer_activation_bytes
 from autotune.estimator.base import PARTS, Estimate, Estimator
 from autotune.estimator.gpus import GpuSpec
 from autotune.estimator.speed import roofline
-from autotune.estimator.states import model_states, uses_deepspeed
+from autotune.estimator.states import deepspeed_states, model_states
 from autotune.models import stats_of
+from trials.techniques.micro_batch import micro_and_accumulation
 
 
 class AnalyticalEstimator(Estimator):
@@ -48,11 +49,10 @@ class AnalyticalEstimator(Estimator):
     ) -> Estimate:
         st = stats_of(model_config)
         h, layers, vocab = st.hidden, st.layers, st.vocab
-        micro = int(config.get("micro_batch_size", global_batch_size))
-        accum = max(1, global_batch_size // micro)
+        micro, accum = micro_and_accumulation(config, global_batch_size, strict=False)
         tokens = micro * seq_len
         half = config.get("precision", "fp32") in ("bf16", "fp16")
-        deepspeed = uses_deepspeed(config)
+        deepspeed = deepspeed_states(config)
         states = model_states(model_config, config, nproc, nodes=gpu.nodes if gpu else 1)
         params = states.parts["parameters"]
         grads = states.parts["gradients"]

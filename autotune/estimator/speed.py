@@ -45,6 +45,7 @@ from autotune.estimator.activations import layer_activation_bytes
 from autotune.estimator.base import Estimate
 from autotune.estimator.gpus import GpuSpec
 from autotune.models import ModelStats, stats_of
+from trials.techniques.micro_batch import micro_and_accumulation
 
 #: fraction of the dense tensor-core (or fp32) peak that training's GEMMs reach, per GPU
 #: generation (CUDA major: 7 Volta, 8 Ampere/Ada, 9 Hopper), fitted to the published figures of
@@ -107,8 +108,7 @@ def step_time(
     wbytes = 2 if half else 4
     peak = gpu.flops_per_s(precision) * matmul_efficiency(gpu)
     hbm = gpu.hbm_gbps * GB * HBM_EFFICIENCY
-    micro = int(config.get("micro_batch_size", global_batch_size))
-    accum = max(1, global_batch_size // micro)
+    micro, accum = micro_and_accumulation(config, global_batch_size, strict=False)
     tokens = micro * seq_len  # per micro-batch
     n = max(1, nproc)
     stage = int(config.get("zero_stage", 0) or 0)

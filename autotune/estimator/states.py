@@ -34,17 +34,17 @@ from typing import Any
 
 from autotune.models import ModelStats, stats_of
 from trials.techniques import OPTIMIZERS
+from trials.techniques.quantization import (
+    EXPERT_WEIGHT_BYTES,
+    LORA_RANK,
+    ROW_SCALE_BYTES,
+    WEIGHT_BYTES,
+)
+from trials.techniques.zero import zero_stage
 
 Shape = tuple[int, ...]
 
-#: bytes per base weight when quantized, as trials/quantization.py builds them (bitsandbytes:
-#: int8 at 1 B with an fp32 scale per output row, ``QUANT_ROW_BYTES``; nf4 at 4 bits in blocks of
-#: 64 with an fp32 absmax, no double quant: 4.5 bits, the QLoRA paper's figure)
-QUANT_BYTES = {"int8": 1.0, "nf4": (4 + 32 / 64) / 8}
-QUANT_ROW_BYTES = {"int8": 4, "nf4": 0}
-#: expert weights (their shapes are not in ``ModelStats``): int8's row scale at a 4096-wide row
-EXPERT_QUANT_BYTES = {"int8": 1.0 + 4 / 4096, "nf4": QUANT_BYTES["nf4"]}
-DEFAULT_LORA_R = 8  # trials.quantization.LORA_RANK
+DEFAULT_LORA_R = LORA_RANK  # the trial's LoRA rank
 DS_PREFETCH_PARAMS = 50_000_000  # DeepSpeed stage3_prefetch_bucket_size default
 DS_REDUCE_BUCKET = 500_000_000  # DeepSpeed reduce_bucket_size default (elements)
 #: DeepSpeed's estimators multiply host memory by this (pinned buffers, allocator slack)
@@ -81,19 +81,17 @@ def model_optimizer_bytes(st: ModelStats, name: str) -> int:
 
 
 def optimizer_state_bytes(name: str, shapes: list[Shape] | tuple[Shape, ...]) -> int:
-    """fp32 state bytes of the optimizer for these parameters (step counters ignored)."""
-    if name == "adafactor":  # factored second moment: a row and a column vector per matrix
-        return sum(4 * (s[-2] + s[-1]) if len(s) >= 2 else 4 * numel(s) for s in shapes)
-    if name == "adamw_8bit":  # bitsandbytes: 8-bit states from 4096 values, fp32 below
-        return sum(
-            2 * numel(s) + 8 * ((numel(s) + 255) // 256) if numel(s) >= 4096 else 8 * numel(s)
-            for s in shapes
-        )
-    return int(OPTIMIZERS[name].state_bytes_per_param * sum(numel(s) for s in shapes))
+    """State bytes of the optimizer for these parameters (step counters ignored): its module's
+    term (``trials.techniques.optimizer``, ``OptimizerChoice.state_bytes``)."""
+    return OPTIMIZERS[name].state_bytes(shapes)
 
 
-def uses_deepspeed(config: dict[str, Any]) -> bool:
-    return bool(config.get("deepspeed")) or int(config.get("zero_stage", 0) or 0) > 0
+def deepspeed_states(config: dict[str, Any]) -> bool:
+    """Whether the model states are counted as DeepSpeed's ZeRO keeps them (16-bit weights
+    beside fp32 master partitions): a ZeRO stage above 0, or the traced estimator's marker
+    ``deepspeed``. Not ``trials.techniques.zero.runs_deepspeed`` (which engine the job runs,
+    stage 0 included): a stage-0 trial's states are estimated as plain training's."""
+    return bool(config.get("deepspeed")) or zero_stage(config) > 0
 
 
 @dataclass
@@ -245,8 +243,8 @@ def _quantized(
         _STATE_BYTES[key] = optimizer_state_bytes(opt, lora_shapes)
     # embeddings, norms and the head stay frozen in fp32, as the trial job builds them
     frozen = (
-        int(dense * QUANT_BYTES[quant] + rows * QUANT_ROW_BYTES[quant])
-        + int(experts * EXPERT_QUANT_BYTES[quant])
+        int(dense * WEIGHT_BYTES[quant] + rows * ROW_SCALE_BYTES[quant])
+        + int(experts * EXPERT_WEIGHT_BYTES[quant])
         + 4 * (st.n_params - quantized)
     )
     return ModelStates(

@@ -33,9 +33,10 @@ from torch.utils._pytree import tree_flatten
 from autotune.estimator.base import PARTS, Estimate, Estimator
 from autotune.estimator.gpus import GpuSpec
 from autotune.estimator.speed import roofline
-from autotune.estimator.states import model_states, uses_deepspeed
+from autotune.estimator.states import deepspeed_states, model_states
 from autotune.models import stats_of
 from trials.techniques import CHECKPOINTING, OPTIMIZERS, PRECISIONS
+from trials.techniques.micro_batch import micro_and_accumulation
 
 CACHE_VERSION = 3
 #: kernels that can't be built here, traced as one that keeps the same tensors for backward
@@ -213,12 +214,12 @@ def trace_step(
 
     from trials.job import build_model
 
-    micro = int(config.get("micro_batch_size", global_batch_size))
+    micro, accum = micro_and_accumulation(config, global_batch_size, strict=False)
     # Micro-batches after the second repeat the second one's memory exactly (gradients already
     # allocated, same activations), so two stand for any accumulation count.
-    accum = min(2, max(1, global_batch_size // micro))
+    accum = min(2, accum)
     precision = PRECISIONS[config.get("precision", "fp32")]
-    deepspeed = uses_deepspeed(config)
+    deepspeed = deepspeed_states(config)
     opt_name = str(config.get("optimizer", "adamw"))
     vocab = int(model_config["vocab_size"])
     tracker = PhaseTracker()
@@ -317,7 +318,7 @@ class TracedEstimator(Estimator):
             for k, v in config.items()
             if k not in ("zero_stage", "offload_optimizer", "offload_param", "quantization")
         }
-        if uses_deepspeed(config):
+        if deepspeed_states(config):
             traced_cfg["deepspeed"] = True
         key = _cache_key(model_config, traced_cfg, seq_len, gbs)
         path = self.cache / f"{key}.json"
@@ -389,4 +390,4 @@ class TracedEstimator(Estimator):
 
 
 def _ds_flags(config: dict[str, Any]) -> dict[str, Any]:
-    return {"deepspeed": True} if uses_deepspeed(config) else {}
+    return {"deepspeed": True} if deepspeed_states(config) else {}

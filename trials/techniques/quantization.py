@@ -9,13 +9,28 @@ frozen, with trainable LoRA adapters on top (peft), i.e. LoRA / QLoRA fine-tunin
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from trials.hardware import needs_bitsandbytes
+from trials.techniques.base import Config, Knob, Run, Technique
+
+if TYPE_CHECKING:
+    from trials.hardware import Hardware
+
 #: LoRA on every linear layer but the output head (QLoRA's recipe, Dettmers et al. 2023)
 LORA_RANK = 8
 LORA_ALPHA = 16
+#: stored bytes per quantized base weight, as ``_int8_linear``/``_nf4_linear`` make them
+#: (bitsandbytes: int8 at 1 B plus an fp32 scale per output row, ``ROW_SCALE_BYTES``, LLM.int8();
+#: nf4 at 4 bits in blocks of 64 with an fp32 absmax, no double quant: 4.5 bits, the QLoRA
+#: paper's figure); the analytical estimator's terms
+WEIGHT_BYTES = {"int8": 1.0, "nf4": (4 + 32 / 64) / 8}
+ROW_SCALE_BYTES = {"int8": 4, "nf4": 0}
+#: expert weights, whose row count the estimator does not have: int8's scale at 4096-wide rows
+EXPERT_WEIGHT_BYTES = {"int8": 1.0 + 4 / 4096, "nf4": WEIGHT_BYTES["nf4"]}
 
 
 def add_lora(model: nn.Module, rank: int = LORA_RANK, alpha: int = LORA_ALPHA) -> nn.Module:
@@ -91,7 +106,7 @@ def _quantized(
     return apply
 
 
-def builds_on_host(config: dict[str, object]) -> bool:
+def builds_on_host(config: Config) -> bool:
     """Quantized runs build the full-precision model in host memory: bitsandbytes quantizes the
     weights as they move to the GPU, so the device never holds a full-precision copy."""
     return str(config.get("quantization", "none")) != "none"
@@ -106,3 +121,52 @@ QUANTIZATION: dict[str, Callable[[nn.Module, torch.device], nn.Module]] = {
     "int8": _quantized(_int8_linear),
     "nf4": _quantized(_nf4_linear),
 }
+
+
+def _quantized_needs(hw: Hardware) -> str | None:
+    reason = needs_bitsandbytes(hw)
+    if reason is None and not hw.has_peft:
+        return "peft is not installed"
+    return reason
+
+
+#: ``quantization`` choice -> axolotl's ``adapter`` and its quantized-base-weight keys
+AXOLOTL_QUANTIZATION: dict[str, tuple[str | None, dict[str, bool]]] = {
+    "none": (None, {"load_in_4bit": False}),
+    "int8": ("lora", {"load_in_8bit": True, "load_in_4bit": False}),
+    "nf4": ("qlora", {"load_in_4bit": True}),
+}
+#: the trial's LoRA recipe (``add_lora``) in axolotl's keys
+AXOLOTL_LORA = {
+    "lora_r": LORA_RANK,
+    "lora_alpha": LORA_ALPHA,
+    "lora_dropout": 0.0,
+    "lora_target_linear": True,
+}
+
+
+class Quantization(Technique):
+    family = "quantization"
+    knobs = (
+        Knob(
+            "quantization",
+            tuple(QUANTIZATION),
+            baseline="none",
+            # "lora" (full-precision base weights with adapters) is the estimator's
+            fidelity={"int8": "adapters", "nf4": "adapters", "lora": "adapters"},
+            requires={"int8": _quantized_needs, "nf4": _quantized_needs},
+            short=lambda v: "" if v == "none" else f"{v}+lora",
+        ),
+    )
+
+    def apply(self, model: nn.Module, config: Config, device: torch.device) -> nn.Module:
+        return QUANTIZATION[str(config.get("quantization", "none"))](model, device)
+
+    def axolotl(self, config: Config, run: Run) -> dict[str, Any]:
+        adapter, quantized = AXOLOTL_QUANTIZATION[str(config.get("quantization", "none"))]
+        if adapter is None:
+            return dict(quantized)
+        return {**quantized, "adapter": adapter, **AXOLOTL_LORA}
+
+
+TECHNIQUE = Quantization()

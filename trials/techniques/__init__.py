@@ -1,0 +1,189 @@
+"""The techniques autotune searches, one module each, and the registry every other part reads.
+
+A trial config is a flat dict such as::
+
+    {"gradient_checkpointing": "selective", "checkpoint_every": 2, "precision": "bf16",
+     "attention": "sdpa", "optimizer": "adamw", "micro_batch_size": 2}
+
+Each key is a ``Knob`` of one ``Technique`` (``trials.techniques.base``); each technique module
+holds everything about its family: choices, plain value, fidelity classes, memory order,
+hardware requirements, how the job applies it and how it is exported. ``REGISTRY`` lists them in
+the order dimensions are shown and applied; the search space, the hardware checks, the
+strategy, the ladder, the selector, the exports and the job iterate over it.
+
+Adding a technique is one new module here (a ``Technique`` subclass and its ``TECHNIQUE``) and
+one line in ``_BUILT_IN``; ``tests/test_techniques.py`` shows a toy one reaching every part.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from trials.techniques import (
+    allocator,
+    attention,
+    buckets,
+    checkpointing,
+    micro_batch,
+    offload,
+    optimizer,
+    precision,
+    quantization,
+    zero,
+)
+from trials.techniques.attention import ATTENTION
+from trials.techniques.base import FIDELITY_CLASSES, Choice, Config, Knob, Run, Technique
+from trials.techniques.checkpointing import CHECKPOINTING
+from trials.techniques.optimizer import OPTIMIZERS
+from trials.techniques.precision import PRECISIONS
+
+__all__ = [
+    "ATTENTION",
+    "CHECKPOINTING",
+    "FIDELITY_CLASSES",
+    "OPTIMIZERS",
+    "PRECISIONS",
+    "REGISTRY",
+    "Choice",
+    "Knob",
+    "Registry",
+    "Run",
+    "Technique",
+    "choice_fidelity",
+    "classes_up_to",
+    "fidelity_class",
+    "is_exact",
+    "numerics_of",
+]
+
+
+class Registry:
+    """The registered techniques, in order, and the tables every consumer derives from them
+    (derived on each call or re-indexed on each registration: a technique registered later,
+    e.g. by a test, is seen at once)."""
+
+    def __init__(self, techniques: list[Technique]) -> None:
+        self._techniques: list[Technique] = []
+        self._knobs: dict[str, Knob] = {}  # by dimension, in order
+        self._fidelity: dict[tuple[str, str], str] = {}
+        for technique in techniques:
+            self.register(technique)
+
+    def __iter__(self) -> Iterator[Technique]:
+        return iter(list(self._techniques))
+
+    def register(self, technique: Technique) -> None:
+        clash = [k.name for k in technique.knobs if k.name in self._knobs]
+        if clash:
+            raise ValueError(f"dimension '{clash[0]}' is already a registered technique's")
+        self._techniques.append(technique)
+        self._index()
+
+    def unregister(self, technique: Technique) -> None:
+        self._techniques.remove(technique)
+        self._index()
+
+    def _index(self) -> None:
+        self._knobs = {k.name: k for t in self._techniques for k in t.knobs}
+        #: (dimension, str(choice)) -> fidelity class, for the choices that are not exact
+        self._fidelity = {
+            (k.name, str(v)): cls for k in self._knobs.values() for v, cls in k.fidelity.items()
+        }
+
+    @contextmanager
+    def extended(self, technique: Technique) -> Iterator[Technique]:
+        """``technique`` registered for the duration (tests)."""
+        self.register(technique)
+        try:
+            yield technique
+        finally:
+            self.unregister(technique)
+
+    # --- per dimension ----------------------------------------------------------------------
+
+    def knobs(self) -> list[Knob]:
+        return list(self._knobs.values())
+
+    def knob(self, dimension: str) -> Knob | None:
+        return self._knobs.get(dimension)
+
+    def fidelity(self, dimension: str, choice: object) -> str:
+        """The class one choice puts a configuration in (``exact`` when it changes no
+        numerics: the choices its ``Knob.fidelity`` does not list)."""
+        return self._fidelity.get((dimension, str(choice)), "exact")
+
+    def known_dimensions(self) -> dict[str, tuple[Choice, ...] | None]:
+        """dimension -> the values it may take (None: any positive integer)."""
+        return {k.name: k.choices for k in self.knobs()}
+
+    def baseline(self) -> dict[str, Choice]:
+        """Plain training: each dimension's value that means "this technique is not used"."""
+        return {k.name: k.baseline for k in self.knobs() if k.baseline is not None}
+
+    def memory_orders(self) -> dict[str, Callable[[Any], float]]:
+        """Memory order of exact, monotone dimensions: a later value never needs less memory."""
+        return {k.name: k.memory_order for k in self.knobs() if k.memory_order is not None}
+
+    def numerics_dimensions(self) -> tuple[str, ...]:
+        """The dimensions whose choices change the numbers a step computes (the others are
+        exact): a loss probe is keyed by these choices alone."""
+        return tuple(k.name for k in self.knobs() if k.fidelity)
+
+    # --- the job and the exports ------------------------------------------------------------
+
+    def apply(self, model: Any, config: Config, device: Any) -> Any:
+        """Every technique applied to the built model, in order (the job)."""
+        for technique in self._techniques:
+            model = technique.apply(model, config, device)
+        return model
+
+
+#: the techniques, in the order their dimensions are listed and applied
+_BUILT_IN: list[Technique] = [
+    checkpointing.TECHNIQUE,
+    precision.TECHNIQUE,
+    attention.TECHNIQUE,
+    optimizer.TECHNIQUE,
+    micro_batch.TECHNIQUE,
+    zero.TECHNIQUE,
+    offload.TECHNIQUE,
+    quantization.TECHNIQUE,
+    buckets.TECHNIQUE,
+    allocator.TECHNIQUE,
+]
+REGISTRY = Registry(_BUILT_IN)
+
+
+# --- fidelity classes ----------------------------------------------------------------------------
+
+
+def choice_fidelity(dimension: str, choice: object) -> str:
+    """The class one choice puts a configuration in (``exact`` when it changes no numerics)."""
+    return REGISTRY.fidelity(dimension, choice)
+
+
+def fidelity_class(config: Config) -> str:
+    """The worst (latest in ``FIDELITY_CLASSES``) class among the config's choices."""
+    worst = 0
+    for dimension, choice in config.items():
+        worst = max(worst, FIDELITY_CLASSES.index(choice_fidelity(dimension, choice)))
+    return FIDELITY_CLASSES[worst]
+
+
+def is_exact(config: Config) -> bool:
+    """True when the config only uses techniques that must reproduce the reference loss."""
+    return fidelity_class(config) == "exact"
+
+
+def classes_up_to(widest: str) -> tuple[str, ...]:
+    """The classes a study searches under ``--allow widest``: ``widest`` and every class closer
+    to exact (``exact`` alone, ``mixed`` = exact + mixed, ..., ``adapters`` = all)."""
+    return FIDELITY_CLASSES[: FIDELITY_CLASSES.index(widest) + 1]
+
+
+def numerics_of(config: Config) -> dict[str, str]:
+    """The config's numerics-changing choices, with the plain (baseline) values filled in."""
+    plain = REGISTRY.baseline()
+    return {d: str(config.get(d, plain[d])) for d in REGISTRY.numerics_dimensions()}

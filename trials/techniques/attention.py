@@ -1,0 +1,58 @@
+"""The attention kernel: transformers' ``attn_implementation``; all are exact (same math)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from trials.techniques.base import Config, Knob, Run, Technique
+
+if TYPE_CHECKING:
+    from trials.hardware import Hardware
+
+#: search value -> transformers ``attn_implementation``
+ATTENTION: dict[str, str] = {
+    "eager": "eager",
+    "sdpa": "sdpa",
+    "flash_attention_2": "flash_attention_2",
+}
+
+
+def attn_implementation(config: Config) -> str:
+    """The ``attn_implementation`` the config's model is built with (the job builds it so)."""
+    return ATTENTION[str(config.get("attention", "sdpa"))]
+
+
+def _flash_attn(hw: Hardware) -> str | None:
+    if hw.backend != "cuda":
+        return "needs a CUDA GPU"
+    if not hw.ampere_or_newer:
+        return f"needs SM80+ (this GPU is SM{''.join(map(str, hw.cuda_capability or ()))})"
+    if not hw.has_flash_attn:
+        return "flash_attn is not installed (pip install 'autotune[gpu]')"
+    return None
+
+
+class Attention(Technique):
+    family = "attention"
+    knobs = (
+        Knob(
+            "attention",
+            tuple(ATTENTION),
+            baseline="sdpa",
+            short=str,
+            requires={"flash_attention_2": _flash_attn},
+        ),
+    )
+
+    # the job applies it when it builds the model (``trials.build``: the kernel is a
+    # construction argument), not on the built model
+
+    def companion(self, config: Config, run: Run) -> dict[str, Any]:
+        # keyword arguments of AutoModelForCausalLM.from_pretrained / from_config
+        return {"model_kwargs": {"attn_implementation": attn_implementation(config)}}
+
+    def axolotl(self, config: Config, run: Run) -> dict[str, Any]:
+        return {"attn_implementation": attn_implementation(config)}  # axolotl >= 0.19's key
+
+
+TECHNIQUE = Attention()

@@ -1,0 +1,145 @@
+"""What a technique is: the base class every technique module subclasses.
+
+A *technique* is one family of choices that changes how a model is trained (checkpointing,
+precision, ZeRO, ...). It owns one or more search dimensions (``Knob``: a config key, its
+choices, the value that means "not used", the fidelity class of each choice, its memory order,
+what each choice needs of the hardware), and it says, in its own methods, how the trial job
+applies it and how it is exported. Nothing else in the project names a technique's choices:
+``trials.techniques.REGISTRY`` lists the techniques and every other part iterates over it (the
+search space's known dimensions, the hardware checks, the strategy's pruning order, the ladder's
+baseline, "simplest wins", the fidelity classes, the exports, the job).
+
+Like Optuna's ``BaseSampler``: the base class is small and every method has a neutral default,
+so a technique overrides only what it does. This module imports nothing heavy; a technique
+imports torch, transformers or DeepSpeed inside the method that needs them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from trials.hardware import Hardware
+
+Choice = str | int | float | bool
+Config = Mapping[str, Any]
+#: hardware -> why a choice can't run there, or None when it can
+Check = Callable[["Hardware"], "str | None"]
+
+#: How far a configuration's training math is from plain fp32 AdamW full training, best first.
+#: ``exact``: the same math up to float reordering (checkpointing, ZeRO, offload, attention
+#: kernels, buckets, micro-batch/accumulation at a fixed global batch); ``mixed``: 16-bit compute
+#: over fp32 master weights; ``reduced_state``: weights or optimizer state below fp32 (pure bf16,
+#: 8-bit optimizer state); ``other_optimizer``: a different update rule (Adafactor, Lion);
+#: ``adapters``: LoRA/QLoRA, a different training problem (the base weights stay frozen).
+FIDELITY_CLASSES: tuple[str, ...] = (
+    "exact",
+    "mixed",
+    "reduced_state",
+    "other_optimizer",
+    "adapters",
+)
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One search dimension (a key of the trial config) and everything known about its values.
+
+    ``choices``: the values it may take (None: any positive integer). ``baseline``: the value
+    that means "this technique is not used" (plain training: the ladder's first rung, "ties go
+    to the simplest"); None for a dimension with no such value (micro-batch size, bucket sizes).
+    ``fidelity``: the class of each choice that changes the numerics (the others are exact).
+    ``memory_order``: for a dimension where a later value never needs less memory, at the same
+    other choices, the key that orders its values (the strategy prunes by it after an OOM).
+    ``requires``: per choice, the hardware check; ``requires_with``: per choice, (another
+    dimension, check), the check applying only when the space has that dimension too;
+    ``requires_dimension``: a check that drops the whole dimension where it means nothing.
+    ``fits_batch`` excludes the choices a global batch rules out (a micro-batch must divide it).
+    """
+
+    name: str
+    choices: tuple[Choice, ...] | None
+    baseline: Choice | None = None
+    #: plain training's value that depends on the study (the micro-batch: the whole global
+    #: batch): (choices, global batch) -> value; for the ladder's first rung
+    baseline_of: Callable[[Sequence[Choice], int], Choice] | None = None
+    fidelity: Mapping[Choice, str] = field(default_factory=dict)
+    memory_order: Callable[[Any], float] | None = None
+    requires: Mapping[Choice, Check] = field(default_factory=dict)
+    requires_with: Mapping[Choice, tuple[str, Check]] = field(default_factory=dict)
+    requires_dimension: Check | None = None
+    #: whether a choice can run at this global batch (per process); None: any can
+    fits_batch: Callable[[Choice, int], bool] | None = None
+    #: the choices a YAML boolean stands for, (true, false): YAML 1.1 reads a bare ``off`` as
+    #: false
+    from_bool: tuple[Choice, Choice] | None = None
+    #: the choice as the results table's config column shows it ("" when not used); None:
+    #: ``name=value``
+    short: Callable[[Any], str] | None = None
+
+
+@dataclass(frozen=True)
+class Run:
+    """What applying or exporting a configuration needs besides its choices: the batch shape
+    (per process), the number of processes, the device kind and the learning rate."""
+
+    micro_batch: int
+    accumulation: int
+    processes: int
+    device: str  # "cpu" | "cuda"
+    lr: float
+
+
+class Technique:
+    """One family of training techniques. Subclass it, give ``family`` and ``knobs``, override
+    the hooks it needs, and register an instance in ``trials.techniques.REGISTRY``.
+
+    The hooks, each neutral by default:
+
+    * ``apply(model, config, device)``: the job calls it on the built model, in registry order,
+      before the engine wraps it; returns the (possibly replaced) model;
+    * ``deepspeed(config, run)``: its part of the DeepSpeed JSON (merged key by key into the
+      one config ``trials.zero.deepspeed_config`` builds, which both the job and the export use);
+    * ``training_arguments``, ``accelerate``, ``axolotl``: its keys in those exports;
+    * ``companion``: its keys in ``<stem>.autotune.json``, what a training script needs that
+      the config files cannot say (the model's ``attn_implementation``, the batch shape).
+    """
+
+    family: str = ""
+    knobs: tuple[Knob, ...] = ()
+
+    def apply(self, model: nn.Module, config: Config, device: torch.device) -> nn.Module:
+        return model
+
+    def deepspeed(self, config: Config, run: Run) -> dict[str, Any]:
+        return {}
+
+    def training_arguments(self, config: Config, run: Run) -> dict[str, Any]:
+        return {}
+
+    def accelerate(self, config: Config, run: Run) -> dict[str, Any]:
+        return {}
+
+    def axolotl(self, config: Config, run: Run) -> dict[str, Any]:
+        return {}
+
+    def companion(self, config: Config, run: Run) -> dict[str, Any]:
+        return {}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(k.name for k in self.knobs)})"
+
+
+def merge(into: dict[str, Any], part: Mapping[str, Any]) -> dict[str, Any]:
+    """``part`` merged into ``into`` key by key (nested mappings merged, not replaced)."""
+    for key, value in part.items():
+        if isinstance(value, Mapping) and isinstance(into.get(key), dict):
+            merge(into[key], value)
+        else:
+            into[key] = value
+    return into

@@ -1,0 +1,59 @@
+"""ZeRO's communication buckets and overlap: the sizes (in elements) of the preallocated reduce
+and all-gather buffers, overlapping communication with backward, contiguous gradients; exact."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trials.techniques.base import Config, Knob, Run, Technique
+from trials.techniques.zero import zero_stage
+
+#: config key -> the ``zero_optimization`` key it sets, and the stages that use it
+ZERO_KNOBS: dict[str, tuple[str, tuple[int, ...]]] = {
+    "reduce_bucket_size": ("reduce_bucket_size", (1, 2, 3)),
+    "allgather_bucket_size": ("allgather_bucket_size", (1, 2)),
+    "overlap_comm": ("overlap_comm", (2, 3)),
+    "contiguous_gradients": ("contiguous_gradients", (2, 3)),
+}
+
+STAGE3_WORKING_SET = (
+    "stage3_max_live_parameters",
+    "stage3_max_reuse_distance",
+    "stage3_prefetch_bucket_size",
+)
+
+
+class Buckets(Technique):
+    family = "buckets"
+    knobs = (
+        # buckets are preallocated buffers of that many elements
+        Knob("reduce_bucket_size", None, memory_order=float, short=lambda v: f"rb={v:.0e}"),
+        Knob("allgather_bucket_size", None, memory_order=float, short=lambda v: f"ag={v:.0e}"),
+        # overlapping keeps extra buffers in flight
+        Knob(
+            "overlap_comm",
+            (True, False),
+            memory_order=float,
+            short=lambda v: "overlap" if v else "",
+        ),
+        Knob("contiguous_gradients", (True, False), short=lambda v: "" if v else "noncontig"),
+    )
+
+    def deepspeed(self, config: Config, run: Run) -> dict[str, Any]:
+        stage = zero_stage(config)
+        zero: dict[str, Any] = {}
+        for key, (ds_key, stages) in ZERO_KNOBS.items():
+            if stage in stages and key in config:
+                value = config[key]
+                zero[ds_key] = bool(value) if isinstance(value, bool) else int(value)
+        if stage == 3 and "reduce_bucket_size" in config:
+            # Stage 3's working set of gathered parameters follows the same knob: with
+            # DeepSpeed's defaults (1e9 elements) nothing gathered is released before it is
+            # reused in backward, and a model under a billion parameters keeps every layer
+            # gathered, as without ZeRO-3.
+            for key in STAGE3_WORKING_SET:
+                zero[key] = int(config["reduce_bucket_size"])
+        return {"zero_optimization": zero} if zero else {}
+
+
+TECHNIQUE = Buckets()

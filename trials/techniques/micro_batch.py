@@ -1,0 +1,78 @@
+"""Micro-batch size and gradient accumulation: the global batch (per process) trained as
+``accumulation`` micro-batches of ``micro_batch_size``; exact at a fixed global batch. The one
+place the batch arithmetic is written."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from trials.techniques.base import Choice, Config, Knob, Run, Technique
+
+
+def micro_and_accumulation(
+    config: Config, global_batch_size: int, *, strict: bool = True
+) -> tuple[int, int]:
+    """(micro-batch, accumulation steps) of a config at this global batch (per process); the
+    micro-batch defaults to the whole batch and must divide it (``strict=False``, for the
+    estimator's what-ifs: at least one accumulation step, the remainder ignored)."""
+    micro = int(config.get("micro_batch_size", global_batch_size))
+    if not strict and micro >= 1:
+        return micro, max(1, global_batch_size // micro)
+    if micro < 1 or global_batch_size % micro:
+        raise ValueError(
+            f"micro_batch_size {micro} does not divide global_batch_size {global_batch_size}"
+        )
+    return micro, global_batch_size // micro
+
+
+def _divides(choice: Choice, global_batch_size: int) -> bool:
+    return isinstance(choice, int) and global_batch_size % choice == 0
+
+
+def _whole_batch(choices: Sequence[Choice], global_batch_size: int) -> Choice:
+    """Plain training's micro-batch: the whole global batch in one step (else the largest)."""
+    sizes = [int(c) for c in choices]
+    return global_batch_size if global_batch_size in sizes else max(sizes)
+
+
+class MicroBatch(Technique):
+    family = "micro_batch"
+    knobs = (
+        Knob(
+            "micro_batch_size",
+            None,
+            baseline_of=_whole_batch,
+            memory_order=float,  # a bigger micro-batch keeps more activations
+            fits_batch=_divides,
+            short=lambda v: f"mb={v}",
+        ),
+    )
+
+    def deepspeed(self, config: Config, run: Run) -> dict[str, Any]:
+        return {
+            "train_micro_batch_size_per_gpu": run.micro_batch,
+            "gradient_accumulation_steps": run.accumulation,
+            "train_batch_size": run.micro_batch * run.accumulation * run.processes,
+        }
+
+    def training_arguments(self, config: Config, run: Run) -> dict[str, Any]:
+        return {
+            "per_device_train_batch_size": run.micro_batch,
+            "gradient_accumulation_steps": run.accumulation,
+        }
+
+    def axolotl(self, config: Config, run: Run) -> dict[str, Any]:
+        return {
+            "micro_batch_size": run.micro_batch,
+            "gradient_accumulation_steps": run.accumulation,
+        }
+
+    def companion(self, config: Config, run: Run) -> dict[str, Any]:
+        return {
+            "micro_batch_size": run.micro_batch,
+            "gradient_accumulation_steps": run.accumulation,
+        }
+
+
+TECHNIQUE = MicroBatch()

@@ -1,0 +1,67 @@
+"""ZeRO-Offload: the optimizer step (stage >= 1) and the parameters (stage 3) in host memory,
+DeepSpeedCPUAdam updating there; exact (its AdamW agrees with torch's to ~1e-6 relative)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from trials.techniques.base import Config, Knob, Run, Technique
+from trials.techniques.zero import zero_stage
+
+if TYPE_CHECKING:
+    from trials.hardware import Hardware
+
+
+def offloads_optimizer(config: Config) -> bool:
+    return zero_stage(config) >= 1 and config.get("offload_optimizer") == "cpu"
+
+
+def offloads_params(config: Config) -> bool:
+    return zero_stage(config) == 3 and config.get("offload_param") == "cpu"
+
+
+def _cpu_adam(hw: Hardware) -> str | None:
+    """ZeRO-Offload runs DeepSpeedCPUAdam, a C++ extension built on first use."""
+    if not hw.has_deepspeed:
+        return "deepspeed is not installed"
+    if not hw.has_cxx:
+        return "DeepSpeedCPUAdam needs a C++ compiler to build (apt-get install g++)"
+    return None
+
+
+def _host_first(v: Any) -> float:
+    return {"cpu": 0.0, "none": 1.0}[v]  # offloaded, less on the device
+
+
+class Offload(Technique):
+    family = "offload"
+    knobs = (
+        Knob(
+            "offload_optimizer",
+            ("none", "cpu"),
+            baseline="none",
+            memory_order=_host_first,
+            requires={"cpu": _cpu_adam},
+            short=lambda v: "" if v == "none" else "off-opt",
+        ),
+        Knob(
+            "offload_param",
+            ("none", "cpu"),
+            baseline="none",
+            memory_order=_host_first,
+            requires={"cpu": _cpu_adam},
+            short=lambda v: "" if v == "none" else "off-param",
+        ),
+    )
+
+    def deepspeed(self, config: Config, run: Run) -> dict[str, Any]:
+        pin = run.device == "cuda"  # pinned host buffers speed up GPU<->CPU copies; moot on a CPU
+        zero: dict[str, Any] = {}
+        if offloads_optimizer(config):
+            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
+        if offloads_params(config):
+            zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
+        return {"zero_optimization": zero} if zero else {}
+
+
+TECHNIQUE = Offload()

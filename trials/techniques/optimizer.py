@@ -1,0 +1,150 @@
+"""The optimizer: AdamW (the reference), or one with less state or another update rule."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from trials.hardware import needs_bitsandbytes
+from trials.techniques.base import Config, Knob, Run, Technique
+from trials.techniques.offload import offloads_optimizer
+from trials.techniques.zero import zero_stage
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter], float], torch.optim.Optimizer]
+
+
+def _adamw(params: Iterable[nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+
+
+#: Adafactor's step is relative to each parameter's RMS (Shazeer & Stern 2018): min(lr, 1/sqrt(t))
+#: times RMS(param). The paper's (and torch's default) cap is 1e-2; AdamW's lr there would make
+#: its steps several times smaller than intended, so it keeps its own.
+ADAFACTOR_LR = 1e-2
+
+
+def _adafactor(params: Iterable[nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    return torch.optim.Adafactor(params, lr=ADAFACTOR_LR, weight_decay=0.0)
+
+
+def _lion(params: Iterable[nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    from lion_pytorch import Lion  # lucidrains' reference implementation of Chen et al. 2023
+
+    # Lion's update has the magnitude of the sign, so its usual lr is 3-10x below AdamW's.
+    return Lion(params, lr=lr / 3, weight_decay=0.0)
+
+
+def _adamw_8bit(params: Iterable[nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    import bitsandbytes as bnb  # CUDA only; offered by the space only where available
+
+    return bnb.optim.AdamW8bit(params, lr=lr, weight_decay=0.0)  # type: ignore[no-any-return]
+
+
+Shape = tuple[int, ...]
+#: parameter shapes -> the optimizer's state bytes for them (the estimator's term)
+StateBytes = Callable[[Sequence[Shape]], int]
+
+
+def _numel(shape: Shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _per_param(nbytes: float) -> StateBytes:
+    return lambda shapes: int(nbytes * sum(_numel(s) for s in shapes))
+
+
+def _factored(shapes: Sequence[Shape]) -> int:
+    """Adafactor's factored second moment: a row and a column vector per matrix (fp32)."""
+    return sum(4 * (s[-2] + s[-1]) if len(s) >= 2 else 4 * _numel(s) for s in shapes)
+
+
+def _bnb_8bit(shapes: Sequence[Shape]) -> int:
+    """bitsandbytes: two 8-bit states (and an fp32 absmax per 256) from 4096 values, fp32
+    below."""
+    return sum(
+        2 * _numel(s) + 8 * ((_numel(s) + 255) // 256) if _numel(s) >= 4096 else 8 * _numel(s)
+        for s in shapes
+    )
+
+
+@dataclass(frozen=True)
+class OptimizerChoice:
+    factory: OptimizerFactory
+    lossy: bool  # differs numerically from the AdamW reference
+    hf_name: str  # TrainingArguments.optim
+    state_bytes: StateBytes  # for the estimators (step counters ignored)
+
+
+OPTIMIZERS: dict[str, OptimizerChoice] = {
+    "adamw": OptimizerChoice(_adamw, lossy=False, hf_name="adamw_torch", state_bytes=_per_param(8)),
+    "adafactor": OptimizerChoice(
+        _adafactor, lossy=True, hf_name="adafactor", state_bytes=_factored
+    ),
+    "lion": OptimizerChoice(_lion, lossy=True, hf_name="lion_32bit", state_bytes=_per_param(4)),
+    "adamw_8bit": OptimizerChoice(
+        _adamw_8bit, lossy=True, hf_name="adamw_bnb_8bit", state_bytes=_bnb_8bit
+    ),
+}
+
+#: optimizer choice -> DeepSpeed ``optimizer.type``; others are passed to DeepSpeed as a client
+#: optimizer (the JSON then has no ``optimizer`` section) and cannot be offloaded.
+DS_OPTIMIZERS: dict[str, str] = {"adamw": "AdamW"}
+ADAM_BETAS = (0.9, 0.999)  # torch.optim.AdamW's defaults, which the reference uses
+ADAM_EPS = 1e-8
+
+
+def optimizer_of(config: Config) -> str:
+    return str(config.get("optimizer", "adamw"))
+
+
+class Optimizer(Technique):
+    family = "optimizer"
+    knobs = (
+        Knob(
+            "optimizer",
+            tuple(OPTIMIZERS),
+            baseline="adamw",
+            short=str,
+            fidelity={
+                "adamw_8bit": "reduced_state",
+                "adafactor": "other_optimizer",
+                "lion": "other_optimizer",
+            },
+            requires={"adamw_8bit": needs_bitsandbytes},
+        ),
+    )
+
+    def deepspeed(self, config: Config, run: Run) -> dict[str, Any]:
+        """DeepSpeed's own AdamW where it has one (``torch_adam``: it then builds
+        ``torch.optim.AdamW`` itself, the reference's optimizer, unless offloaded, where it
+        insists on DeepSpeedCPUAdam); other optimizers are passed in as client optimizers."""
+        optimizer = optimizer_of(config)
+        if optimizer in DS_OPTIMIZERS:
+            params: dict[str, Any] = {
+                "lr": run.lr,
+                "betas": list(ADAM_BETAS),
+                "eps": ADAM_EPS,
+                "weight_decay": 0.0,
+            }
+            if not offloads_optimizer(config):
+                params["torch_adam"] = True
+            return {"optimizer": {"type": DS_OPTIMIZERS[optimizer], "params": params}}
+        if zero_stage(config) > 0:
+            return {"zero_allow_untested_optimizer": True}
+        return {}
+
+    def training_arguments(self, config: Config, run: Run) -> dict[str, Any]:
+        return {"optim": OPTIMIZERS[optimizer_of(config)].hf_name}
+
+    def axolotl(self, config: Config, run: Run) -> dict[str, Any]:
+        return {"optimizer": OPTIMIZERS[optimizer_of(config)].hf_name}
+
+
+TECHNIQUE = Optimizer()

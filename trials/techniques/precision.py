@@ -1,0 +1,98 @@
+"""Mixed precision: 16-bit compute and activations over fp32 master weights (torch autocast; in
+DeepSpeed its bf16/fp16 engine). fp16 needs dynamic loss scaling for its narrow range."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from trials.techniques.base import Config, Knob, Run, Technique
+
+if TYPE_CHECKING:
+    from trials.hardware import Hardware
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Mixed precision as autocast: fp32 master weights, 16-bit compute and activations."""
+
+    autocast_dtype: torch.dtype | None
+    loss_scaling: bool  # dynamic loss scaling (GradScaler), needed for fp16's narrow range
+    lossy: bool
+
+
+PRECISIONS: dict[str, Precision] = {
+    "fp32": Precision(None, loss_scaling=False, lossy=False),
+    "bf16": Precision(torch.bfloat16, loss_scaling=False, lossy=True),
+    "fp16": Precision(torch.float16, loss_scaling=True, lossy=True),
+}
+
+
+def precision_of(config: Config) -> str:
+    return str(config.get("precision", "fp32"))
+
+
+def weight_dtype(precision: str) -> torch.dtype:
+    """The dtype DeepSpeed trains the model's own weights in (its fp32 master copy apart)."""
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+
+
+def _bf16(hw: Hardware) -> str | None:
+    if hw.backend == "cuda" and not hw.ampere_or_newer:
+        return "bf16 needs an Ampere (SM80) or newer GPU"
+    return None
+
+
+def _deepspeed_fp16(hw: Hardware) -> str | None:
+    if hw.backend == "cpu" and not hw.cpu_fp16:
+        return "DeepSpeed has no fp16 on this CPU (no oneDNN fp16 kernels)"
+    return None
+
+
+class MixedPrecision(Technique):
+    family = "precision"
+    knobs = (
+        Knob(
+            "precision",
+            tuple(PRECISIONS),
+            baseline="fp32",
+            short=str,
+            fidelity={"bf16": "mixed", "fp16": "mixed"},
+            requires={"bf16": _bf16},
+            # fp16 is fine in plain torch on any CPU, but every zero_stage runs DeepSpeed
+            requires_with={"fp16": ("zero_stage", _deepspeed_fp16)},
+        ),
+    )
+
+    def deepspeed(self, config: Config, run: Run) -> dict[str, Any]:
+        precision = precision_of(config)
+        return {
+            "bf16": {"enabled": precision == "bf16"},
+            "fp16": {
+                "enabled": precision == "fp16",
+                # dynamic loss scaling with torch.amp.GradScaler's defaults, which the plain
+                # trial (and the Trainer without DeepSpeed) uses: start at 2**16, halve on the
+                # first overflow, double after 2000 clean steps
+                "loss_scale": 0,
+                "initial_scale_power": 16,
+                "loss_scale_window": 2000,
+                "hysteresis": 1,
+                "min_loss_scale": 1,
+            },
+        }
+
+    def training_arguments(self, config: Config, run: Run) -> dict[str, Any]:
+        precision = precision_of(config)
+        return {"bf16": precision == "bf16", "fp16": precision == "fp16"}
+
+    def accelerate(self, config: Config, run: Run) -> dict[str, Any]:
+        precision = precision_of(config)
+        return {"mixed_precision": {"fp32": "no"}.get(precision, precision)}
+
+    def axolotl(self, config: Config, run: Run) -> dict[str, Any]:
+        return self.training_arguments(config, run)
+
+
+TECHNIQUE = MixedPrecision()
