@@ -5,6 +5,7 @@ runner that returns recorded loss curves, where tests/test_lossguard.py trains t
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -276,3 +277,61 @@ def test_probe_tolerance_and_noise_band_boundaries(cache: Path) -> None:
     assert "noise band" in v.note  # 1.0 > 0.25
     at_noise = _probe(exact).judge({"precision": "bf16"}, tolerance=1.0)
     assert "noise band" not in at_noise.note  # the band at the tolerance is not wider
+
+
+def test_the_probe_trains_the_proxy_as_specified(cache: Path) -> None:
+    """The spec a probe runs: the numerics under test on the proxy, sdpa, a batch of 8 x 32
+    tokens, no warm-up, the probe's steps, seed and lr, on the study's backend."""
+    specs: list[TrialSpec] = []
+
+    class Recording(ReplayRunner):
+        def run(self, spec: TrialSpec, name: str) -> TrialResult:
+            specs.append(spec)
+            assert name.startswith("probe-") and len(name) == len("probe-") + 10
+            return super().run(spec, name)
+
+    prober = Prober(LLAMA, ProbeSettings(50, 1, 3e-3, "cuda"), Recording(RECORDED))
+    prober.judge({"precision": "bf16", "optimizer": "adamw"}, tolerance=0.03)
+    ref, cand = specs
+    assert ref.config == {
+        "precision": "fp32",
+        "optimizer": "adamw",
+        "quantization": "none",
+        "attention": "sdpa",
+        "micro_batch_size": 8,
+    }
+    assert cand.config["precision"] == "bf16"
+    for spec in specs:
+        assert (spec.seq_len, spec.global_batch_size, spec.budget_bytes) == (32, 8, None)
+        assert (spec.warmup_steps, spec.measured_steps, spec.seed, spec.lr) == (0, 50, 0, 3e-3)
+        assert spec.backend == "cuda"
+        assert spec.model_config == proxy_config(LLAMA)
+
+
+def test_a_failed_probe_runs_again_and_a_good_one_is_cached_on_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("AUTOTUNE_CACHE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    curves: dict[tuple[str, int], list[float] | None] = {**RECORDED, ("bf16", 0): None}
+    first = _probe(curves)
+    assert first.judge({"precision": "bf16"}, 0.03).via == "none"
+    curves[("bf16", 0)] = _curve(2.1)
+    again = _probe(curves)
+    assert again.judge({"precision": "bf16"}, 0.03).via == "probe"
+    assert ("bf16", 0) in again.runner.runs and ("fp32", 0) not in again.runner.runs
+    (cached,) = (tmp_path / ".cache" / "autotune" / "probes").glob("llama-*.json")
+    entries = json.loads(cached.read_text())
+    assert len(entries) == 4 and all(e["losses"] for e in entries.values())
+
+
+def test_proxy_defaults_for_a_config_that_leaves_sizes_out() -> None:
+    # no heads, KV heads or MLP width given: 4 heads, KV = heads, MLP 4x the width
+    p = proxy_config({"model_type": "toy", "hidden_size": 32})
+    assert (p["num_attention_heads"], p["num_key_value_heads"]) == (4, 4)
+    assert p["intermediate_size"] == 256 and p["vocab_size"] == 512
+    # a family is its model_type and its non-size keys, whatever the sizes
+    assert model_family({"model_type": "toy", "hidden_size": 1}) == model_family(
+        {"model_type": "toy", "hidden_size": 2, "vocab_size": 9, "head_dim": 3}
+    )
+    assert model_family({}).startswith("model-")

@@ -226,3 +226,44 @@ def test_verdicts_in_words() -> None:
         "+5.00% on a probe, over tolerance 2% (proxy q)"
     )
     assert verdict_text(row(LossVerdict("none", None, note="adapters"))) == "no verdict: adapters"
+
+
+def test_simplicity_by_hand() -> None:
+    """(techniques used, ZeRO stage, offloads): a choice differing from plain training is a
+    technique; the micro-batch is not one."""
+    assert simplicity({}) == (0, 0, 0)
+    assert simplicity({**PLAIN, "micro_batch_size": 4, "attention": "sdpa"}) == (0, 0, 0)
+    assert simplicity({"attention": "eager", "precision": "bf16"}) == (2, 0, 0)
+    zero3 = {"zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"}
+    assert simplicity(zero3) == (3, 3, 2)
+    assert simplicity({"zero_stage": 2, "offload_optimizer": "none"}) == (1, 2, 0)
+
+
+def test_show_json_carries_the_whole_answer(tmp_path: Path) -> None:
+    import json
+
+    from tests.conftest import cli
+
+    study = _study(tmp_path)
+    slow = _add(study, {"gradient_checkpointing": "full"}, 1000, spread=0.02)
+    fast = _add(study, {"zero_stage": 2}, 1500, peak_mib=150)
+    over = _add(study, {"zero_stage": 3}, 1520, peak_mib=400)  # over the 200 MB budget
+    storage = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    shown = json.loads(cli("show", "--storage", storage, "--study", "s", "--json").output)
+    assert (shown["study"], shown["model"], shown["backend"]) == ("s", "tiny-llama", "cpu")
+    assert shown["budget_bytes"] == 200 * MB
+    assert (shown["winner"], shown["closest"], shown["ties"]) == (fast, None, [])
+    assert shown["pareto"] == [slow, fast, over]  # over the budget, but no trial beats it
+    full = shown["classes"]["full"]
+    assert (full["winner"], full["ties"], full["margin"], full["searched"]) == (
+        fast,
+        [],
+        0.05,
+        True,
+    )
+    assert shown["classes"]["adapters"]["searched"] is False
+    assert shown["load_warning"] == ""
+    by_number = {t["number"]: t for t in shown["trials"]}
+    assert by_number[slow]["speed"] == 1000 and by_number[slow]["spread"] == 0.02
+    assert by_number[fast]["feasible"] is True
+    assert by_number[over]["feasible"] is False and by_number[over]["fits"] is False
