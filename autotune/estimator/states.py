@@ -22,6 +22,11 @@ as DeepSpeed counts it (``estimate_zero2_model_states_mem_needs`` in
   (4 Psi fp32 per process; with stage 3, ``zero.Init`` - which transformers uses under a ZeRO-3
   config - builds partitioned, so only the largest layer), times DeepSpeed's
   ``additional_buffer_factor`` (1.5: pinned staging buffers, allocator slack).
+* ``phases`` (ZeRO): the same states by phase of a step, with the buffers DeepSpeed's estimate
+  leaves out (gradient buckets, the offload staging buffer, stage 3's 16-bit gradient partition
+  and gathered working set, AdamW's temporaries at the step), as DeepSpeed 0.19 allocates them;
+  the estimators' peaks come from these (checked against measured CPU DeepSpeed trials in
+  tests/test_estimator_measured.py). ``host_per_rank``: DeepSpeed's host buffers per rank.
 * ``quantization`` int8/nf4: frozen base linear weights at 1 / 0.5 B (+ scales), other weights
   frozen in fp32, LoRA adapters (rank ``lora_r``, default 8, on every linear of every layer)
   trained in fp32 with the chosen optimizer.
