@@ -165,3 +165,26 @@ def test_host_marked_tensors_leave_the_device_peak_from_their_creation() -> None
     assert monitor.host_offloaded_bytes == 4000
     assert monitor.live_bytes == 2000
     del device, host
+
+
+def test_host_born_tensors_handed_back_count_on_the_device_from_their_creation() -> None:
+    """``mark_device``: a buffer made inside ``host_allocations`` that is device memory after all
+    (DeepSpeed's reduce bucket, made with its offloaded partitions) counts on the device over its
+    whole life, and no longer on the host."""
+    monitor = CpuMemoryMonitor(None)
+    with monitor:
+        with monitor.host_allocations():
+            partition = torch.zeros(1000)  # 4000 B of host memory
+            bucket = torch.zeros(500)  # 2000 B, on the device really
+        tmp = torch.zeros(250)  # 1000 B, while the bucket is alive
+        del tmp
+        monitor.mark_device(bucket)
+        monitor.mark_device(bucket)  # twice: no change
+        device = torch.zeros(100)  # 400 B, device-born: handing it back changes nothing
+        monitor.mark_device(device)
+    assert monitor.peak_bytes == 3000  # bucket + tmp: the bucket counted from its creation
+    assert monitor.host_offloaded_bytes == 4000  # the partition alone, at every moment
+    assert monitor.live_bytes == 2400
+    del bucket, device
+    assert monitor.live_bytes == 0
+    del partition

@@ -27,6 +27,7 @@ from trials.techniques.precision import weight_dtype
 from trials.techniques.zero import runs_deepspeed
 from trials.zero import (
     deepspeed_config,
+    device_buffers,
     ensure_distributed,
     gathered,
     offloaded_tensors,
@@ -196,13 +197,16 @@ class DeepSpeedEngine(Engine):
         # offloaded buffers are made before they can be marked as host: the budget is checked
         # on the corrected peak once they are
         # With offload_param, DeepSpeed's ZeRO-3 setup builds the model-sized flat buffers (and
-        # transient copies of them) in host memory: on the CPU backend all of its allocations
-        # count as host (known undercount: its device reduce bucket, reduce_bucket_size elements).
+        # transient copies of them) in host memory: on the CPU backend its allocations count as
+        # host, except its device reduce bucket, handed back to the device count after.
         host = monitor.host_allocations() if offloads_params(cfg) else nullcontext()
-        with monitor.deferred_budget(), host:
-            self.engine, self.optimizer, _, _ = deepspeed.initialize(
-                model=model, model_parameters=trainable, optimizer=client, config=self.ds_config
-            )
+        with monitor.deferred_budget():
+            with host:
+                self.engine, self.optimizer, _, _ = deepspeed.initialize(
+                    model=model, model_parameters=trainable, optimizer=client, config=self.ds_config
+                )
+            if offloads_params(cfg):
+                monitor.mark_device(*device_buffers(self.optimizer))
             self.model = model
             self._mark_offloaded()
         self._tag_roles()

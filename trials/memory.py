@@ -65,6 +65,11 @@ class MemoryMonitor(ABC):
         """
         return None
 
+    def mark_device(self, *tensors: torch.Tensor) -> None:
+        """These tensors, made inside ``host_allocations``, are device memory after all: count
+        them on the device from their creation on. On CUDA the allocator saw them already."""
+        return None
+
     @property
     def host_offloaded_bytes(self) -> int:
         """Offloaded bytes in host memory at most (0 where the monitor does not see them)."""
@@ -148,6 +153,8 @@ class CpuMemoryMonitor(MemoryMonitor):
     so ``peak_bytes`` is the device peak as if they had been on the host from the start.
     ``host_offloaded_bytes`` is the most host bytes seen live after marking. The online budget check
     uses the device bytes known at that moment (a tensor not yet marked still counts).
+    ``mark_device`` is the reverse, for storages made inside ``host_allocations`` that are device
+    memory after all (DeepSpeed's reduce bucket, made with its offloaded partitions).
     """
 
     def __init__(self, budget_bytes: int | None) -> None:
@@ -158,6 +165,9 @@ class CpuMemoryMonitor(MemoryMonitor):
         self._host: dict[int, int] = {}  # storage key -> bytes, marked as host memory
         self._host_live = 0
         self._host_peak = 0
+        self._host_log = array("q")  # host live bytes after each change (for mark_device)
+        self._host_born: dict[int, int] = {}  # host-born storage key -> its index in _host_log
+        self._host_corrections: list[tuple[int, int, int]] = []  # (from, to, bytes) in _host_log
         self._timeline = array("q")  # device live bytes after each allocation
         self._born: dict[int, int] = {}  # storage key -> its index in the timeline
         self._corrections: list[tuple[int, int, int]] = []  # (from, to, bytes) to subtract
@@ -185,6 +195,10 @@ class CpuMemoryMonitor(MemoryMonitor):
             self._host[key] = nbytes
             self._host_live += nbytes
             self._host_peak = max(self._host_peak, self._host_live)
+            # where it starts on both timelines, should it turn out to be device memory
+            self._born[key] = len(self._timeline)
+            self._host_born[key] = len(self._host_log)
+            self._host_log.append(self._host_live)
             weakref.finalize(storage, self._release, key, nbytes)
             return
         self._live += nbytes
@@ -198,8 +212,10 @@ class CpuMemoryMonitor(MemoryMonitor):
         self._seen.discard(key)
         self._ledger.died(key, len(self._timeline))
         self._born.pop(key, None)
+        self._host_born.pop(key, None)
         if self._host.pop(key, None) is not None:
             self._host_live -= nbytes
+            self._host_log.append(self._host_live)
         else:
             self._live -= nbytes
 
@@ -219,11 +235,46 @@ class CpuMemoryMonitor(MemoryMonitor):
             self._live -= nbytes
             self._host_live += nbytes
             self._host_peak = max(self._host_peak, self._host_live)
+            self._host_log.append(self._host_live)
             self._corrections.append((self._born[key], len(self._timeline), nbytes))
+
+    def mark_device(self, *tensors: torch.Tensor) -> None:
+        """Count these host-born storages on the device, from their creation on: the reverse of
+        ``mark_host`` (a correction that adds their bytes over the span they were alive)."""
+        for t in tensors:
+            try:
+                storage = t.untyped_storage()
+            except (NotImplementedError, RuntimeError):
+                continue
+            key = id(storage)
+            if key not in self._host_born:
+                continue  # not host-born: tracked on the device already, or not tracked
+            nbytes = self._host.pop(key)
+            born, now = self._born[key], len(self._timeline)
+            self._live += nbytes
+            self._peak = max(self._peak, self._live)
+            self._ledger.born(key, born, nbytes)
+            self._corrections.append((born, now, -nbytes))
+            host_born = self._host_born.pop(key)
+            self._host_corrections.append((host_born, len(self._host_log), nbytes))
+            self._host_live -= nbytes
+            self._host_log.append(self._host_live)
 
     @property
     def host_offloaded_bytes(self) -> int:
-        return self._host_peak
+        if not self._host_corrections:
+            return self._host_peak
+        # the host log with the storages handed back to the device taken out while they lived
+        n = len(self._host_log)
+        delta = [0] * (n + 1)
+        for start, end, nbytes in self._host_corrections:
+            delta[start] += nbytes
+            delta[end] -= nbytes
+        best, running = 0, 0
+        for i in range(n):
+            running += delta[i]
+            best = max(best, self._host_log[i] - running)
+        return best
 
     def host_allocations(self) -> Any:
         import contextlib

@@ -89,12 +89,19 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
 
 
 #: DeepSpeed ZeRO optimizer attributes that hold host buffers under ``offload_optimizer``
-#: (fp32 master partitions and their gradients; stage 1/2 and stage 3 name them differently)
+#: (fp32 master partitions and their gradients; stage 1/2 and stage 3 name them differently).
+#: Stage 1/2 also stage the 16-bit partition and each gradient in host memory
+#: (``param_buffer_of_bit16_for_cpu_offload_groups``, ``temp_grad_buffer_for_cpu_offload``:
+#: ``DeepSpeedZeroOptimizer.__init__`` makes both on ``self.device``, the CPU under offload, in
+#: deepspeed/runtime/zero/stage_1_and_2.py); its ``temp_grad_buffer_for_gpu_offload`` is on the
+#: device and stays counted there.
 _OFFLOADED_OPTIMIZER_ATTRS = (
     "single_partition_of_fp32_groups",
     "accumulated_grads_in_cpu",
     "fp32_partitioned_groups_flat",
     "grad_partitions_flat_buffer",
+    "param_buffer_of_bit16_for_cpu_offload_groups",
+    "temp_grad_buffer_for_cpu_offload",
 )
 #: ... and under ``offload_param`` (stage 3's 16-bit partitions)
 _OFFLOADED_PARAM_ATTRS = ("fp16_partitioned_groups_flat", "param_groups_fp16_flat_cpu_memory")
@@ -120,6 +127,20 @@ def offloaded_tensors(
             out += _tensors(getattr(zero_optimizer, attr, None))
         partitions = (getattr(p, "ds_tensor", None) for p in model.parameters())
         out += [t for t in partitions if t is not None]
+    return out
+
+
+def device_buffers(zero_optimizer: Any) -> list[torch.Tensor]:
+    """Device buffers DeepSpeed makes inside ``deepspeed.initialize``: with ``offload_param`` the
+    trial job counts everything made there as host memory (``host_allocations``), so these are
+    handed back to the device count: stage 3's IPG bucket (``reduce_bucket_size`` elements, made
+    on the accelerator by ``_setup_for_real_optimizer``, deepspeed/runtime/zero/stage3.py)."""
+    buckets = getattr(zero_optimizer, "ipg_buckets", None) or {}
+    out = []
+    for bucket in buckets.values():
+        buffer = getattr(bucket, "buffer", None)
+        if isinstance(buffer, torch.Tensor):
+            out.append(buffer)
     return out
 
 

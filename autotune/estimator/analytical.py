@@ -29,7 +29,7 @@ from autotune.estimator.activations import layer_activation_bytes
 from autotune.estimator.base import PARTS, Estimate, Estimator
 from autotune.estimator.gpus import GpuSpec
 from autotune.estimator.speed import roofline
-from autotune.estimator.states import deepspeed_states, model_states
+from autotune.estimator.states import deepspeed_states, model_states, zero_states_at
 from autotune.models import stats_of
 from trials.techniques.micro_batch import micro_and_accumulation
 
@@ -53,7 +53,14 @@ class AnalyticalEstimator(Estimator):
         tokens = micro * seq_len
         half = config.get("precision", "fp32") in ("bf16", "fp16")
         deepspeed = deepspeed_states(config)
-        states = model_states(model_config, config, nproc, nodes=gpu.nodes if gpu else 1)
+        states = model_states(
+            model_config,
+            config,
+            nproc,
+            nodes=gpu.nodes if gpu else 1,
+            accumulation=accum,
+            cuda=gpu is not None,  # none given: the CPU trial backend
+        )
         params = states.parts["parameters"]
         grads = states.parts["gradients"]
         optim = states.parts["optimizer_states"]
@@ -97,17 +104,14 @@ class AnalyticalEstimator(Estimator):
         }
         peak, where, breakdown = -1, "", {k: 0 for k in PARTS}
         for name, (g, a, lg, tmp) in moments.items():
-            total = params + optim + g + a + lg + tmp + states.extra
+            held = {"parameters": params, "gradients": g, "optimizer_states": optim}
+            held["temporaries"] = tmp
+            if states.phases is not None:  # ZeRO: what DeepSpeed holds in this phase
+                held = zero_states_at(states.phases, name, accum)
+            total = sum(held.values()) + a + lg
             if total > peak:
                 peak, where = total, name
-                breakdown = {
-                    "parameters": params,
-                    "gradients": g,
-                    "optimizer_states": optim,
-                    "activations": a,
-                    "logits/loss": lg,
-                    "temporaries": tmp + states.extra,
-                }
+                breakdown = {**held, "activations": a, "logits/loss": lg}
         notes = [f"peak at {where}", *states.notes]
         est = Estimate(
             int(peak), breakdown, method=self.name, notes=notes, host_breakdown=states.host

@@ -22,6 +22,11 @@ as DeepSpeed counts it (``estimate_zero2_model_states_mem_needs`` in
   (4 Psi fp32 per process; with stage 3, ``zero.Init`` - which transformers uses under a ZeRO-3
   config - builds partitioned, so only the largest layer), times DeepSpeed's
   ``additional_buffer_factor`` (1.5: pinned staging buffers, allocator slack).
+* ``phases`` (ZeRO): the same states by phase of a step, with the buffers DeepSpeed's estimate
+  leaves out (gradient buckets, the offload staging buffer, stage 3's 16-bit gradient partition
+  and gathered working set, AdamW's temporaries at the step), as DeepSpeed 0.19 allocates them;
+  the estimators' peaks come from these (checked against measured CPU DeepSpeed trials in
+  tests/test_estimator_measured.py). ``host_per_rank``: DeepSpeed's host buffers per rank.
 * ``quantization`` int8/nf4: frozen base linear weights at 1 / 0.5 B (+ scales), other weights
   frozen in fp32, LoRA adapters (rank ``lora_r``, default 8, on every linear of every layer)
   trained in fp32 with the chosen optimizer.
@@ -45,8 +50,13 @@ from trials.techniques.zero import zero_stage
 Shape = tuple[int, ...]
 
 DEFAULT_LORA_R = LORA_RANK  # the trial's LoRA rank
-DS_PREFETCH_PARAMS = 50_000_000  # DeepSpeed stage3_prefetch_bucket_size default
-DS_REDUCE_BUCKET = 500_000_000  # DeepSpeed reduce_bucket_size default (elements)
+#: DeepSpeed's defaults (``DeepSpeedZeroConfig``, deepspeed/runtime/zero/config.py), elements
+DS_PREFETCH_PARAMS = 50_000_000  # stage3_prefetch_bucket_size
+DS_REDUCE_BUCKET = 500_000_000  # reduce_bucket_size
+DS_MAX_REUSE_DISTANCE = 1_000_000_000  # stage3_max_reuse_distance
+DS_MAX_LIVE_PARAMS = 1_000_000_000  # stage3_max_live_parameters
+DS_PERSISTENCE_THRESHOLD = 100_000  # stage3_param_persistence_threshold
+DS_SUB_GROUP = 1_000_000_000  # sub_group_size
 #: DeepSpeed's estimators multiply host memory by this (pinned buffers, allocator slack)
 DS_HOST_BUFFER_FACTOR = 1.5
 #: bytes per parameter DeepSpeed keeps on the host under offload: fp32 master 4 + fp32 grads 4 +
@@ -97,11 +107,15 @@ def deepspeed_states(config: dict[str, Any]) -> bool:
 @dataclass
 class ModelStates:
     parts: dict[str, int]  # parameters, gradients, optimizer_states (per GPU)
-    extra: int = 0  # gathered working set, communication buckets (temporaries)
     replaces_trace: bool = False  # the single-process trace can't see this accounting
     frozen_copies: int = 0  # 16-bit copies autocast made in the trace of weights now frozen
     host: dict[str, int] = field(default_factory=dict)  # per host: what lives in its RAM
     notes: list[str] = field(default_factory=list)
+    #: ZeRO: what a rank holds on its device in each phase of a step (``Phases``)
+    phases: Phases | None = None
+    #: ZeRO with offload: the host buffers DeepSpeed keeps per rank (the offloaded states and
+    #: its host staging buffers; what the CPU trial's tracker counts as ``host_offloaded``)
+    host_per_rank: int = 0
 
     @property
     def gpu_bytes(self) -> int:
@@ -112,6 +126,90 @@ class ModelStates:
     def host_bytes(self) -> int:
         """Host RAM per machine for the model states (DeepSpeed's "per CPU")."""
         return sum(self.host.values())
+
+
+@dataclass(frozen=True)
+class Phases:
+    """What a ZeRO rank holds on its device, by role (parameters, gradients, optimizer_states,
+    temporaries), in each phase of a step, as DeepSpeed 0.19 allocates it. ``ModelStates.parts``
+    is DeepSpeed's own estimate (``estimate_zero*_model_states_mem_needs``: every state at once,
+    its buffers left out); a step holds less at any one time and some buffers on top.
+
+    * ``compute``: through every forward and backward (the activations come on top);
+    * ``accumulated``: from the first backward until the optimizer step (the gradients kept over
+      the micro-batches of an accumulation window, and what lives with them);
+    * ``backward``: only inside a backward pass;
+    * ``step``: at the optimizer step, when no activation is left.
+    """
+
+    compute: dict[str, int]
+    accumulated: dict[str, int]
+    backward: dict[str, int]
+    step: dict[str, int]
+
+
+def zero_states_at(phases: Phases, moment: str, accum: int) -> dict[str, int]:
+    """A ZeRO rank's model states and DeepSpeed's buffers at one of the four moments, by role:
+    the optimizer step holds its own; forward and the start of backward hold the gradients
+    kept over micro-batches once there were earlier ones (``accum`` > 1); the end of backward
+    holds them and the buffers of the backward pass."""
+    if moment == "optimizer step":
+        parts = [phases.step]
+    elif moment == "end of backward":
+        parts = [phases.compute, phases.accumulated, phases.backward]
+    else:
+        parts = [phases.compute, phases.accumulated] if accum > 1 else [phases.compute]
+    held = {"parameters": 0, "gradients": 0, "optimizer_states": 0, "temporaries": 0}
+    for part in parts:
+        for role, nbytes in part.items():
+            held[role] += nbytes
+    return held
+
+
+def adam_step_temporaries(numel: int, cuda: bool) -> int:
+    """fp32 temporaries of ``torch.optim.AdamW`` stepping one tensor of ``numel`` elements (what
+    DeepSpeed builds with ``torch_adam``; ZeRO steps one flat partition). Its single-tensor
+    update (the CPU's) makes ``exp_avg_sq.sqrt()`` and its quotient by the bias correction
+    before adding eps in place: two temporaries; the foreach update (CUDA's default) makes one
+    (``_foreach_sqrt``, then in place) - ``torch/optim/adam.py``."""
+    return (1 if cuda else 2) * 4 * numel
+
+
+#: (id of ModelStats, threshold) -> parameters below the threshold; see ``_STATE_BYTES``
+_PERSISTENT: dict[tuple[int, int], int] = {}
+
+
+def persistent_params(st: ModelStats, threshold: int) -> int:
+    """Parameters ZeRO-3 keeps gathered for good: every tensor under
+    ``stage3_param_persistence_threshold`` elements (``mark_persistent_parameters``,
+    deepspeed/runtime/zero/parameter_offload.py)."""
+    key = (id(st), threshold)
+    if key not in _PERSISTENT:
+        _PERSISTENT[key] = sum(numel(s) for s in st.shapes if numel(s) < threshold)
+    return _PERSISTENT[key]
+
+
+def _ipg_bucket(config: dict[str, Any], stage: int, wbytes: int) -> int:
+    """DeepSpeed's gradient reduction bucket: ``reduce_bucket_size`` elements in the gradients'
+    dtype, made whole whatever the model's size (``setup_buckets`` in stage_1_and_2.py, with a
+    second one when ``overlap_comm``; stage3.py makes one in ``_setup_for_real_optimizer``).
+    Stages 1-2 make it only with ``contiguous_gradients`` (DeepSpeed's default)."""
+    elements = int(config.get("reduce_bucket_size", DS_REDUCE_BUCKET))
+    if stage == 3:
+        return wbytes * elements
+    if not config.get("contiguous_gradients", True):
+        return 0
+    return (2 if config.get("overlap_comm", False) else 1) * wbytes * elements
+
+
+def _stage3_knobs(config: dict[str, Any]) -> tuple[int, int, int]:
+    """(max reuse distance, max live parameters, prefetch bucket) in elements: the trial's
+    DeepSpeed config sets all three to ``reduce_bucket_size`` when the config has one
+    (``trials.zero.deepspeed_config``), else DeepSpeed's defaults."""
+    if "reduce_bucket_size" in config:
+        n = int(config["reduce_bucket_size"])
+        return n, n, n
+    return DS_MAX_REUSE_DISTANCE, DS_MAX_LIVE_PARAMS, DS_PREFETCH_PARAMS
 
 
 def _host(offloaded: int, load_copy: int, label: str = "offloaded states") -> dict[str, int]:
@@ -130,11 +228,15 @@ def model_states(
     *,
     nodes: int = 1,
     zero_init: bool = True,
+    accumulation: int = 1,
+    cuda: bool = True,
 ) -> ModelStates:
     """Per-GPU and per-host model states of ``config`` on ``nproc`` GPUs over ``nodes`` hosts.
 
     ``zero_init``: stage 3 builds the model partitioned (``deepspeed.zero.Init``, what
     transformers does under a ZeRO-3 config); False for a model built whole in each process.
+    ``accumulation`` (micro-batches per step) and ``cuda`` (False: the CPU trial backend, where
+    torch's AdamW takes its single-tensor path) shape the ZeRO ``phases`` only.
     """
     st = stats_of(model_cfg)
     psi = st.n_params
@@ -163,53 +265,161 @@ def model_states(
     master = 4 * psi  # DeepSpeed's fp32 partition (a copy even when training in fp32)
     notes = [f"model states: ZeRO-{stage} over {n} GPU(s) by formula (DeepSpeed's accounting)"]
     largest = st.largest_module_params
-    reduce_bucket = int(config.get("reduce_bucket_size", DS_REDUCE_BUCKET))
+    part = psi // n  # this rank's share of the flat partition
+    bucket = _ipg_bucket(config, stage, wbytes)
     if stage in (1, 2):
         params = wbytes * psi
         # the 16-bit gradients: whole in stage 1, a partition in stage 2
         grads16 = (wbytes * psi if stage == 1 else wbytes * psi // n) if half else 0
         grads32 = 4 * psi // n
         optim = (master + states) // n
-        extra = 2 * wbytes * reduce_bucket if stage == 2 else 0  # ipg buckets
         if off_opt:
             grads16 = grads32 = optim = 0
             notes.append("fp32 master weights, gradients and optimizer states in host memory")
             host = _host(HOST_OPTIMIZER_BYTES * psi * per_host // n, load_copy)
         else:
             host = _host(0, load_copy)
+        phases, host_rank = _phases12(stage, st, part, wbytes, optim, bucket, off_opt, cuda)
+        if off_opt and stage == 2 and accumulation > 1:
+            # gradients accumulated over micro-batches in host memory, the partition's
+            # parameters whole (accumulated_grads_in_cpu, async_accumulate_grad_in_cpu_via_gpu)
+            host_rank += wbytes * part
         return ModelStates(
             {"parameters": params, "gradients": grads16 + grads32, "optimizer_states": optim},
-            extra=min(extra, wbytes * psi),
             replaces_trace=True,
             host=host,
             notes=notes,
+            phases=phases,
+            host_per_rank=host_rank,
         )
 
     # stage 3: everything partitioned; the largest layer is gathered whole (DeepSpeed counts
-    # 4 B/param of it), the prefetch bucket and live parameters are the working set beyond
+    # 4 B/param of it); ``phases`` has the working set DeepSpeed's coordinator really keeps
     gathered = 4 * largest
     params = wbytes * psi // n
     grads = 4 * psi // n
     optim = (master + states) // n  # with the 16-bit partition: 18 Psi/N in mixed precision
-    live = int(config.get("reduce_bucket_size", DS_PREFETCH_PARAMS))
-    extra = wbytes * min(live, DS_PREFETCH_PARAMS)
     load = 4 * largest * per_host if zero_init else load_copy
     offloaded = 0
+    host_rank = 0
     if off_opt:
         offloaded += HOST_OPTIMIZER_BYTES * psi * per_host // n
+        # and the 16-bit gradient partitions (grad_partitions_flat_buffer, on the host too)
+        host_rank += HOST_OPTIMIZER_BYTES * part + wbytes * part
         grads = optim = 0
         notes.append("fp32 master weights, gradients and optimizer states in host memory")
     if off_param:
         offloaded += HOST_PARAM_BYTES * psi * per_host // n
+        host_rank += wbytes * part
         params = 0
         notes.append("16-bit parameter partitions in host memory")
     return ModelStates(
         {"parameters": params + gathered, "gradients": grads, "optimizer_states": optim},
-        extra=extra,
         replaces_trace=True,
         host=_host(offloaded, load),
         notes=notes,
+        phases=_phases3(st, config, n, part, wbytes, optim, bucket, off_opt, off_param, cuda),
+        host_per_rank=host_rank,
     )
+
+
+def _phases12(
+    stage: int,
+    st: ModelStats,
+    part: int,
+    wbytes: int,
+    optim: int,
+    bucket: int,
+    off_opt: bool,
+    cuda: bool,
+) -> tuple[Phases, int]:
+    """ZeRO-1/2 (``DeepSpeedZeroOptimizer``, deepspeed/runtime/zero/stage_1_and_2.py) by phase,
+    and the host buffers per rank under offload."""
+    params = wbytes * st.n_params  # bit16_groups_flat: the 16-bit model, whole on every rank
+    # under offload the gradients pass through one device buffer the size of the largest tensor
+    # (temp_grad_buffer_for_gpu_offload); the host holds the fp32 master, its gradients and
+    # Adam's moments (16 B/param), a 16-bit copy of the partition the updated weights come back
+    # through (param_buffer_of_bit16_for_cpu_offload_groups) and a host twin of the device
+    # buffer (temp_grad_buffer_for_cpu_offload), all made in ``__init__``
+    staging = wbytes * st.largest_param if off_opt else 0
+    host_rank = (HOST_OPTIMIZER_BYTES + wbytes) * part + staging if off_opt else 0
+    compute = {"parameters": params, "optimizer_states": optim, "temporaries": staging}
+    if stage == 1:
+        # stage 1 reduces only at the accumulation boundary (``process_gradients`` leaves each
+        # .grad in place without partition_gradients or overlap_comm): the 16-bit gradients
+        # stay whole on the device, with or without offload, and the IPG bucket made at the
+        # first gradient hook lives until the boundary's epilogue
+        accumulated = {"gradients": wbytes * st.n_params, "temporaries": bucket}
+        backward: dict[str, int] = {}
+    else:
+        # stage 2 reduces as gradients come: its partition's gradients are copied into
+        # grads_in_partition (copy_grads_in_partition; on the host under offload) and the IPG
+        # bucket is released by every backward's epilogue (_release_ipg_buffers)
+        accumulated = {"gradients": 0 if off_opt else wbytes * part}
+        backward = {"temporaries": bucket}
+    if off_opt:  # DeepSpeedCPUAdam steps on the host, in place
+        step = {"parameters": params, "temporaries": staging}
+    else:
+        # ``step`` frees the 16-bit gradients, makes the fp32 gradient partition
+        # (single_partition_of_fp32_groups[i].grad) and runs the optimizer on the flat partition
+        step = {
+            "parameters": params,
+            "gradients": 4 * part,
+            "optimizer_states": optim,
+            "temporaries": adam_step_temporaries(part, cuda),
+        }
+    return Phases(compute, accumulated, backward, step), host_rank
+
+
+def _phases3(
+    st: ModelStats,
+    config: dict[str, Any],
+    n: int,
+    part: int,
+    wbytes: int,
+    optim: int,
+    bucket: int,
+    off_opt: bool,
+    off_param: bool,
+    cuda: bool,
+) -> Phases:
+    """ZeRO-3 (``DeepSpeedZeroOptimizer_Stage3``, deepspeed/runtime/zero/stage3.py, and its
+    parameter coordinator, partitioned_param_coordinator.py) by phase."""
+    partition = 0 if off_param else wbytes * part  # the 16-bit partition (ds_tensor)
+    # gathered parameters: one rank with its partition on the device uses it in place
+    # (``all_gather_coalesced`` takes ``_no_gather_coalesced``); otherwise the coordinator keeps
+    # the persistent parameters gathered for good and, of the others, what is reused within
+    # stage3_max_reuse_distance elements (``__params_to_release``), the module in use and what
+    # it prefetches (up to stage3_prefetch_bucket_size, within stage3_max_live_parameters)
+    if n == 1 and not off_param:
+        persistent = working = 0
+    else:
+        persistent = persistent_params(st, DS_PERSISTENCE_THRESHOLD)
+        reuse, live, prefetch = _stage3_knobs(config)
+        window = reuse + st.largest_module_params + min(prefetch, live)
+        working = persistent + min(st.n_params - persistent, window)
+    # the 16-bit gradient partitions (grad_partitions_flat_buffer, made at init; on the host
+    # under offload_optimizer) and the IPG bucket (made at init) live throughout
+    grad_buffer = 0 if off_opt else wbytes * part
+    compute = {
+        "parameters": partition + wbytes * working,
+        "gradients": grad_buffer,
+        "optimizer_states": optim,
+        "temporaries": bucket,
+    }
+    if off_opt:  # DeepSpeedCPUAdam steps on the host, in place
+        step = {"parameters": partition + wbytes * persistent, "temporaries": bucket}
+    else:
+        # the step makes each sub-group's fp32 gradients (_prepare_fp32_grad_for_sub_group)
+        # and runs the optimizer on the flat sub-group
+        sub = min(part, DS_SUB_GROUP)
+        step = {
+            "parameters": partition + wbytes * persistent,
+            "gradients": grad_buffer + 4 * sub,
+            "optimizer_states": optim,
+            "temporaries": bucket + adam_step_temporaries(sub, cuda),
+        }
+    return Phases(compute, {}, {}, step)
 
 
 #: (id of ModelStats, LoRA rank) -> (quantized params, LoRA shapes); see ``_STATE_BYTES``

@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_flatten
 from autotune.estimator.base import PARTS, Estimate, Estimator
 from autotune.estimator.gpus import GpuSpec
 from autotune.estimator.speed import roofline
-from autotune.estimator.states import deepspeed_states, model_states
+from autotune.estimator.states import deepspeed_states, model_states, zero_states_at
 from autotune.models import stats_of
 from trials.techniques import CHECKPOINTING, OPTIMIZERS, PRECISIONS
 from trials.techniques.micro_batch import micro_and_accumulation
@@ -365,14 +365,43 @@ class TracedEstimator(Estimator):
             )
         breakdown = {k: parts.get(k, 0) for k in PARTS}
         peak = parts["peak"]
-        states = model_states(model_config, config, nproc, nodes=gpu.nodes if gpu else 1)
-        if states.replaces_trace:
-            # The trace ran one unsharded process: swap its model states for the sharded ones.
+        micro = int(config.get("micro_batch_size", global_batch_size))
+        accum = max(1, global_batch_size // micro)
+        states = model_states(
+            model_config,
+            config,
+            nproc,
+            nodes=gpu.nodes if gpu else 1,
+            accumulation=accum,
+            cuda=gpu is not None,
+        )
+        if states.phases is not None:
+            # ZeRO: the trace ran one unsharded process. Its activations and logits stay; the
+            # model states are what DeepSpeed holds during the backward pass (the formula's),
+            # unless the end of backward (its buffers of the backward pass) or the optimizer
+            # step, with no activation left, hold more.
+            for k in ("parameters", "gradients", "optimizer_states"):
+                peak -= breakdown.pop(k)
+            held = zero_states_at(states.phases, "start of backward", accum)
+            stateful = [
+                zero_states_at(states.phases, moment, accum)
+                for moment in ("end of backward", "optimizer step")
+            ]
+            alone = max(stateful, key=lambda part: sum(part.values()))
+            if sum(alone.values()) > peak + sum(held.values()):
+                peak, breakdown = sum(alone.values()), {k: 0 for k in PARTS}
+                breakdown.update(alone)
+            else:
+                peak += sum(held.values())
+                breakdown["temporaries"] += held.pop("temporaries")
+                breakdown.update(held)
+            breakdown = {k: breakdown.get(k, 0) for k in PARTS}
+            notes.extend(states.notes)
+        elif states.replaces_trace:
+            # The trace ran one unsharded process: swap its model states for the formula's.
             for k in ("parameters", "gradients", "optimizer_states"):
                 peak += states.parts[k] - breakdown[k]
                 breakdown[k] = states.parts[k]
-            peak += states.extra
-            breakdown["temporaries"] += states.extra
             notes.extend(states.notes)
         if states.frozen_copies:
             # the trace trains the base weights, so autocast kept 16-bit copies of them; frozen
