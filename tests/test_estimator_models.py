@@ -130,8 +130,13 @@ CONFIGS = [
 ]
 
 
+#: ZeRO's buckets small enough that DeepSpeed's defaults (500M elements: 1 GB in 16 bits, counted
+#: in full as DeepSpeed allocates them) do not hide the rest of these small models' peaks
+BUCKETS = {"reduce_bucket_size": 100_000, "allgather_bucket_size": 100_000}
+
+
 def _both(cfg: dict, config: dict, tmp_path: Path) -> tuple[int, int]:
-    c = {**BASE, **config}
+    c = {**BASE, **BUCKETS, **config}
     traced = TracedEstimator(cache=tmp_path).estimate(cfg, c, **KW).peak_bytes
     return traced, AnalyticalEstimator().estimate(cfg, c, **KW).peak_bytes
 
@@ -146,9 +151,12 @@ def test_traced_runs_every_config_and_agrees_within_10_percent(
 
 
 #: measured outside 10% (analytical vs traced peak): GPT-2's activations in 16 bits are
-#: over-predicted by 25% (its ``gelu_new`` intermediates; the fp32 formula is 11% over), which
-#: shows when no optimizer state is on the device. Strict: a fix moves it out.
-OTHER_GAPS = {("gpt2", "bf16-2-cpu"): "analytical 10,971,136 B vs traced 9,905,672 B (+10.8%)"}
+#: over-predicted (its ``gelu_new`` intermediates), which shows when no optimizer state is on the
+#: device. Strict: a fix moves them out.
+OTHER_GAPS = {
+    ("gpt2", "bf16-2-cpu"): "analytical 9,921,536 B vs traced 8,856,072 B (+12.0%)",
+    ("gpt2", "bf16-3-cpu-cpu"): "analytical 9,859,392 B vs traced 8,793,928 B (+12.1%)",
+}
 
 
 @pytest.mark.slow
