@@ -30,10 +30,7 @@ from autotune.display import (
     results_table,
 )
 from autotune.errors import EnvironmentFailure, OneLineGroup, UserError
-from autotune.estimate_cli import (
-    banner,
-    confirm_winner,
-    estimate_cmd,
+from autotune.estimate_backend import (
     estimate_space,
     hardware_for,
     machine_memory,
@@ -41,6 +38,7 @@ from autotune.estimate_cli import (
     runner_for,
     target_gpu,
 )
+from autotune.estimate_cli import banner, confirm_winner, estimate_cmd
 from autotune.estimator.exhaustive import ClassBest
 from autotune.estimator.gpus import gpu_spec
 from autotune.export import EXPORTERS, UserSettings, export, measured_on

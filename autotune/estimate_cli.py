@@ -1,10 +1,10 @@
-"""The estimator in the CLI: ``autotune estimate``, the ``estimate`` backend of ``run``, and the
-pre-screen of real GPU trials."""
+"""``autotune estimate`` and what the console prints of an estimate study (the banner, the
+analytical-vs-traced breakdown, the best of each class); the backend itself is
+``autotune/estimate_backend.py``."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -14,54 +14,23 @@ from rich.console import Console
 from rich.table import Table
 
 from autotune.errors import UserError
+from autotune.estimate_backend import (
+    estimate_space,
+    hardware_for,
+    host_budget,
+    study_gpu,
+    target_gpu,
+)
 from autotune.estimator.analytical import AnalyticalEstimator
 from autotune.estimator.base import PARTS, Estimate
 from autotune.estimator.exhaustive import ClassBest, best_per_class, headline, score
-from autotune.estimator.gpus import GPUS, GpuSpec, default_gpu, gpu_spec
-from autotune.estimator.runner import EstimateRunner, PrescreenRunner
+from autotune.estimator.gpus import GPUS, GpuSpec
 from autotune.estimator.speed import MODEL_ERROR
 from autotune.estimator.traced import TracedEstimator
-from autotune.hardware import Hardware
 from autotune.models import resolve_model
-from autotune.runner import TrialRunner
-from autotune.space import SearchSpace
 from autotune.study import StudySettings
 from autotune.units import format_size, parse_size
-from autotune.yaml_limits import load_yaml, parse_yaml
-
-ESTIMATE_SPACE = "estimate.yaml"
-PRESCREEN_MARGIN = 0.25
-
-
-def target_gpu(name: str | None, budget_bytes: int) -> GpuSpec:
-    return gpu_spec(name) if name else default_gpu(budget_bytes)
-
-
-def hardware_for(gpu: GpuSpec, nproc: int = 1) -> Hardware:
-    """The target GPU's machine, with its CUDA packages (and DeepSpeed) assumed installed."""
-    facts: dict[str, Any] = {
-        "backend": "cuda",
-        "cuda_capability": gpu.sm,
-        "gpu_count": nproc,
-        **{f.name: True for f in fields(Hardware) if f.name.startswith("has_")},
-    }
-    return Hardware(**{k: v for k, v in facts.items() if k in {f.name for f in fields(Hardware)}})
-
-
-def estimate_space() -> SearchSpace:
-    from importlib import resources
-
-    text = resources.files("search_spaces").joinpath(ESTIMATE_SPACE).read_text()
-    return SearchSpace.from_dict(parse_yaml(text, ESTIMATE_SPACE), ESTIMATE_SPACE)
-
-
-def runner_for(settings: StudySettings, real: TrialRunner) -> TrialRunner:
-    """Predictions for ``estimate``; on a GPU, real trials behind the estimator's pre-screen."""
-    if settings.backend == "estimate":
-        return EstimateRunner(AnalyticalEstimator(), gpu_spec(settings.target_gpu or "rtx4090"))
-    if settings.backend == "cuda":
-        return PrescreenRunner(real, AnalyticalEstimator(), PRESCREEN_MARGIN)
-    return real
+from autotune.yaml_limits import load_yaml
 
 
 def banner(model: str, n_params: int, gpu: GpuSpec) -> str:
@@ -99,23 +68,6 @@ def breakdown_table(rows: list[tuple[str, Estimate]], budget: int, title: str) -
 HOST_PARTS = ("offloaded states", "model copy at load", "pinned buffers and slack")
 
 
-def host_budget(value: str | None, backend: str) -> int | None:
-    """``--host-memory``: a size; default on trial backends what this machine has, on the
-    estimate backend unlimited (None)."""
-    if value:
-        return parse_size(value)
-    if backend == "estimate":
-        return None
-    return machine_memory()
-
-
-def machine_memory() -> int:
-    """Physical memory of this machine in bytes."""
-    import os
-
-    return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
-
-
 def class_lines(per_class: dict[str, ClassBest], budget: int) -> list[str]:
     """One line per fidelity class: its best configuration, memory, speed, and its ties."""
     from autotune.display import describe
@@ -130,56 +82,6 @@ def class_lines(per_class: dict[str, ClassBest], budget: int) -> list[str]:
             f"{e.tokens_per_s:,.0f} tokens/s{tie}"
         )
     return lines
-
-
-def study_gpu(settings: StudySettings) -> GpuSpec:
-    """The GPU an estimate study plans for; over several nodes ZeRO's collectives (and the
-    host memory, per node) are priced on the nodes' network and hosts."""
-    gpu = gpu_spec(settings.target_gpu)
-    if settings.nodes > 1:
-        gpu = gpu.spanning(settings.nodes, settings.nproc // settings.nodes)
-    return gpu
-
-
-def class_scores(settings: StudySettings) -> dict[str, ClassBest]:
-    """Every configuration of the study's space scored; the best of each fidelity class."""
-    space = SearchSpace.from_dict(settings.space, "study")
-    scored = score(
-        settings.model_config,
-        space.grid(),
-        seq_len=settings.seq_len,
-        global_batch_size=settings.global_batch_size,
-        nproc=settings.nproc,
-        gpu=study_gpu(settings),
-        budget_bytes=settings.budget_bytes,
-        host_budget_bytes=settings.host_budget_bytes or None,
-    )
-    return best_per_class(scored)
-
-
-def queue_class_bests(study: optuna.Study, console: Console) -> tuple[dict[str, ClassBest], int]:
-    """Score the whole space and queue each class's best (not yet in the study) as a trial, so
-    that ``show``, ``report`` and ``export`` see them; returns the classes and how many."""
-    import time
-
-    from autotune.study import settings_of
-
-    t0 = time.perf_counter()
-    settings = settings_of(study)
-    per_class = class_scores(settings)
-    space = SearchSpace.from_dict(settings.space, "study")
-    done = [t.user_attrs.get("config") for t in study.get_trials(deepcopy=False)]
-    queued = 0
-    for cb in per_class.values():
-        if cb.best.config not in done:
-            study.enqueue_trial(space.params_for(cb.best.config), user_attrs={"role": "class-best"})
-            queued += 1
-    n = len(space.grid())
-    console.print(
-        f"every configuration of the space scored ({n:,}, {time.perf_counter() - t0:.1f} s): "
-        f"the best of each of {len(per_class)} fidelity classes is recorded"
-    )
-    return per_class, queued
 
 
 def confirm_winner(

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from autotune.estimate_cli import estimate_space, hardware_for
+from autotune.estimate_backend import estimate_space, hardware_for
 from autotune.estimator.analytical import AnalyticalEstimator
 from autotune.estimator.exhaustive import best_per_class, headline, score
 from autotune.estimator.gpus import GPUS
