@@ -10,11 +10,24 @@ from click.testing import CliRunner, Result
 
 from autotune.cli import main
 from autotune.models import REGISTRY
+from autotune.study import StudySettings
 from trials.spec import TrialSpec
 
 DATA = Path(__file__).parent / "data"
 SMALL_SPACE = DATA / "small_space.yaml"
 TINY = REGISTRY["tiny-llama"].config
+#: a tiny-llama study's settings on the CPU (300 MB, seq 64, batch 8), for tests of what is made
+#: from a winner without a study (the exports)
+TINY_SETTINGS = StudySettings(
+    model="tiny-llama",
+    model_config=TINY,
+    budget_bytes=300 * 10**6,
+    budget_label="300MB",
+    backend="cpu",
+    seq_len=64,
+    global_batch_size=8,
+    space={},
+)
 
 #: tiny-llama at seq 64, global batch 8: about 184 MB at micro-batch 8 without checkpointing,
 #: 135-142 MB with micro-batch 1 or checkpointing (measured by the CPU tracker).

@@ -15,19 +15,9 @@ import pytest
 import yaml
 
 from autotune.export import UserSettings, export
-from autotune.study import StudySettings
-from tests.conftest import TINY
+from tests.conftest import TINY_SETTINGS
 
-BASE = StudySettings(
-    model="tiny-llama",
-    model_config=TINY,
-    budget_bytes=300 * 10**6,
-    budget_label="300MB",
-    backend="cpu",
-    seq_len=64,
-    global_batch_size=8,
-    space={},
-)
+BASE = TINY_SETTINGS
 #: (config, expected: checkpointing every n layers, DeepSpeed stage or None, hf optim)
 CASES: dict[str, tuple[dict[str, Any], int | None, int | None, str]] = {
     "plain-fp32": ({"precision": "fp32", "micro_batch_size": 8}, None, None, "adamw_torch"),

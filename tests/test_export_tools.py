@@ -12,19 +12,9 @@ import pytest
 import yaml
 
 from autotune.export import EXPORTERS, export
-from autotune.study import StudySettings
-from tests.conftest import TINY
+from tests.conftest import TINY_SETTINGS
 
-SETTINGS = StudySettings(
-    model="tiny-llama",
-    model_config=TINY,
-    budget_bytes=300 * 10**6,
-    budget_label="300MB",
-    backend="cpu",
-    seq_len=64,
-    global_batch_size=8,
-    space={},
-)
+SETTINGS = TINY_SETTINGS
 PLAIN = {
     "gradient_checkpointing": "selective",
     "checkpoint_every": 2,

@@ -26,8 +26,7 @@ from autotune.ladder import baseline_config
 from autotune.selector import simplicity
 from autotune.space import SearchSpace
 from autotune.strategy import AutotuneSampler, needs_no_less_memory, observations
-from autotune.study import StudySettings
-from tests.conftest import TINY, tiny_spec
+from tests.conftest import TINY_SETTINGS, tiny_spec
 from trials.job import run_trial
 from trials.techniques import REGISTRY, fidelity_class
 from trials.techniques.base import Config, Knob, Run, Technique
@@ -218,16 +217,7 @@ def test_the_ladder_and_simplest_wins_start_from_its_baseline(toy: ToyPad) -> No
 
 
 def test_every_export_carries_its_keys(toy: ToyPad, tmp_path: Path) -> None:
-    settings = StudySettings(
-        model="tiny-llama",
-        model_config=TINY,
-        budget_bytes=300 * 10**6,
-        budget_label="300MB",
-        backend="cpu",
-        seq_len=64,
-        global_batch_size=8,
-        space={},
-    )
+    settings = TINY_SETTINGS
     config = {
         "gradient_checkpointing": "off",
         "toy_pad": "large",

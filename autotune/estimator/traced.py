@@ -365,8 +365,7 @@ class TracedEstimator(Estimator):
             )
         breakdown = {k: parts.get(k, 0) for k in PARTS}
         peak = parts["peak"]
-        micro = int(config.get("micro_batch_size", global_batch_size))
-        accum = max(1, global_batch_size // micro)
+        _, accum = micro_and_accumulation(config, global_batch_size, strict=False)
         states = model_states(
             model_config,
             config,
