@@ -75,7 +75,7 @@ def module_of(mutant: str) -> str:
     return ".".join(parts)
 
 
-def report(statuses: dict[str, str]) -> str:
+def report(statuses: dict[str, str], note: str = "") -> str:
     argued = equivalents()
     per_module: dict[str, Counter[str]] = defaultdict(Counter)
     for name, status in statuses.items():
@@ -84,10 +84,11 @@ def report(statuses: dict[str, str]) -> str:
         "# Mutation testing",
         "",
         "Made by `.venv/bin/python scripts/mutation.py` (mutmut, configured in `pyproject.toml`).",
-        "Score = killed / mutants run (a mutant no test covers counts as not",
-        "killed; one the run did not reach is left out and counted under *not run*);",
-        "equivalent survivors are argued below.",
+        "Score = killed / (mutants run - equivalent survivors argued in",
+        "`docs/mutation_equivalent.txt`); a mutant no test covers counts as not killed, one the",
+        "run did not reach is left out and counted under *not run*.",
         "",
+        *([note.strip(), ""] if note else []),
         "| module | mutants | killed | survived | equivalent (argued) | no test | not run "
         "| score |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
@@ -104,12 +105,12 @@ def report(statuses: dict[str, str]) -> str:
         total.update({"equiv": equiv, "no tests": c["no tests"], "not run": c["not checked"]})
         lines.append(
             f"| `{module}` | {n} | {killed} | {c['survived']} | {equiv} | {c['no tests']} "
-            f"| {c['not checked']} | {100 * killed / max(run, 1):.1f}% |"
+            f"| {c['not checked']} | {100 * killed / max(run - equiv, 1):.1f}% |"
         )
     lines.append(
         f"| **all** | {total['n']} | {total['killed']} | {total['survived']} | {total['equiv']} "
         f"| {total['no tests']} | {total['not run']} "
-        f"| **{100 * total['killed'] / max(total['run'], 1):.1f}%** |"
+        f"| **{100 * total['killed'] / max(total['run'] - total['equiv'], 1):.1f}%** |"
     )
     lines += ["", "## Survivors", ""]
     survivors = sorted(m for m, s in statuses.items() if s not in KILLED | {"not checked"})
@@ -126,6 +127,7 @@ def main() -> int:
     parser.add_argument("--report", action="store_true", help="only write the report")
     parser.add_argument("--max-children", default="2")
     parser.add_argument("--from", dest="listings", nargs="+", type=Path, default=[])
+    parser.add_argument("--note", type=Path, help="a file whose text goes above the table")
     args = parser.parse_args()
     if args.listings:
         statuses: dict[str, str] = {}
@@ -146,7 +148,7 @@ def main() -> int:
             )
         statuses = results()
     REPORT.parent.mkdir(exist_ok=True)
-    REPORT.write_text(report(statuses))
+    REPORT.write_text(report(statuses, args.note.read_text() if args.note else ""))
     print(REPORT.read_text())
     return 0
 
