@@ -227,13 +227,21 @@ def test_a_real_study_at_scale_finds_a_fitting_exact_configuration(tmp_path: Pat
     n_params = REGISTRY["tiny-llama"].n_params
     assert 16 * n_params > 2 * budget  # the premise: model states several times the budget
     db = tmp_path / "study.db"
+    # the packaged space with gradient buckets sized for a 7M-parameter model: DeepSpeed
+    # allocates its reduce bucket whole on the device (5e6 fp32 elements: 20 MB, 40% of this
+    # budget), so the smallest packaged bucket leaves nothing exact that fits
+    space = tmp_path / "space.yaml"
+    packaged = (ROOT / "search_spaces" / "default.yaml").read_text()
+    buckets = "choices: [5000000, 50000000, 500000000]"
+    assert packaged.count(buckets) == 2
+    space.write_text(packaged.replace(buckets, "choices: [500000, 5000000]"))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "AUTOTUNE_CACHE": str(tmp_path / "cache")}
     # the guard on (exact trials against the reference, lossy ones by a short probe); no
     # re-measurement rounds: they doubled the test's time and decide nothing asked here
     done = subprocess.run(
         [sys.executable, "-m", "autotune.cli", "run", "--model", "tiny-llama", "--budget",
          "48MiB", "--trials", "8", "--storage", f"sqlite:///{db}", "--probe-steps", "20",
-         "--confirm-rounds", "0"],
+         "--confirm-rounds", "0", "--space", str(space)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
