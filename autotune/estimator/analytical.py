@@ -29,7 +29,7 @@ from autotune.estimator.activations import layer_activation_bytes
 from autotune.estimator.base import PARTS, Estimate, Estimator
 from autotune.estimator.gpus import GpuSpec
 from autotune.estimator.speed import roofline
-from autotune.estimator.states import deepspeed_states, model_states, zero_states_at
+from autotune.estimator.states import deepspeed_states, estimator_states, zero_states_at
 from autotune.models import stats_of
 from trials.techniques.micro_batch import micro_and_accumulation
 
@@ -53,14 +53,7 @@ class AnalyticalEstimator(Estimator):
         tokens = micro * seq_len
         half = config.get("precision", "fp32") in ("bf16", "fp16")
         deepspeed = deepspeed_states(config)
-        states = model_states(
-            model_config,
-            config,
-            nproc,
-            nodes=gpu.nodes if gpu else 1,
-            accumulation=accum,
-            cuda=gpu is not None,  # none given: the CPU trial backend
-        )
+        states = estimator_states(model_config, config, nproc, global_batch_size, gpu)
         params = states.parts["parameters"]
         grads = states.parts["gradients"]
         optim = states.parts["optimizer_states"]

@@ -37,8 +37,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from autotune.estimator.gpus import GpuSpec
 from autotune.models import ModelStats, stats_of
 from trials.techniques import OPTIMIZERS
+from trials.techniques.micro_batch import micro_and_accumulation
 from trials.techniques.quantization import (
     EXPERT_WEIGHT_BYTES,
     LORA_RANK,
@@ -420,6 +422,27 @@ def _phases3(
             "temporaries": bucket + adam_step_temporaries(sub, cuda),
         }
     return Phases(compute, {}, {}, step)
+
+
+def estimator_states(
+    model_cfg: dict[str, Any],
+    config: dict[str, Any],
+    nproc: int,
+    global_batch_size: int,
+    gpu: GpuSpec | None,
+) -> ModelStates:
+    """``model_states`` as both estimators need them: the accumulation steps of this batch, the
+    nodes of ``gpu``, and no ``gpu`` meaning the CPU trial backend (torch's AdamW then takes its
+    single-tensor path: ``adam_step_temporaries``)."""
+    _, accum = micro_and_accumulation(config, global_batch_size, strict=False)
+    return model_states(
+        model_cfg,
+        config,
+        nproc,
+        nodes=gpu.nodes if gpu else 1,
+        accumulation=accum,
+        cuda=gpu is not None,
+    )
 
 
 #: (id of ModelStats, LoRA rank) -> (quantized params, LoRA shapes); see ``_STATE_BYTES``

@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_flatten
 from autotune.estimator.base import PARTS, Estimate, Estimator
 from autotune.estimator.gpus import GpuSpec
 from autotune.estimator.speed import roofline
-from autotune.estimator.states import deepspeed_states, model_states, zero_states_at
+from autotune.estimator.states import deepspeed_states, estimator_states, zero_states_at
 from autotune.models import stats_of
 from trials.techniques import CHECKPOINTING, OPTIMIZERS, PRECISIONS
 from trials.techniques.micro_batch import micro_and_accumulation
@@ -366,14 +366,7 @@ class TracedEstimator(Estimator):
         breakdown = {k: parts.get(k, 0) for k in PARTS}
         peak = parts["peak"]
         _, accum = micro_and_accumulation(config, global_batch_size, strict=False)
-        states = model_states(
-            model_config,
-            config,
-            nproc,
-            nodes=gpu.nodes if gpu else 1,
-            accumulation=accum,
-            cuda=gpu is not None,
-        )
+        states = estimator_states(model_config, config, nproc, global_batch_size, gpu)
         if states.phases is not None:
             # ZeRO: the trace ran one unsharded process. Its activations and logits stay; the
             # model states are what DeepSpeed holds during the backward pass (the formula's),
