@@ -17,6 +17,7 @@ import os
 import weakref
 from abc import ABC, abstractmethod
 from array import array
+from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
 
@@ -142,6 +143,18 @@ class _LiveStorageCounter(TorchDispatchMode):
         return out
 
 
+def _storages(
+    tensors: tuple[torch.Tensor, ...],
+) -> Iterator[tuple[int, torch.UntypedStorage]]:
+    """(tracking key, storage) of each tensor that has a storage (not a fake or sparse one)."""
+    for t in tensors:
+        try:
+            storage = t.untyped_storage()
+        except (NotImplementedError, RuntimeError):
+            continue
+        yield id(storage), storage
+
+
 class CpuMemoryMonitor(MemoryMonitor):
     """Live tensor bytes on the CPU, counted per storage, with a hard budget.
 
@@ -221,12 +234,7 @@ class CpuMemoryMonitor(MemoryMonitor):
 
     def mark_host(self, *tensors: torch.Tensor) -> None:
         """Count these tensors' storages as host memory, from their creation on."""
-        for t in tensors:
-            try:
-                storage = t.untyped_storage()
-            except (NotImplementedError, RuntimeError):
-                continue
-            key = id(storage)
+        for key, storage in _storages(tensors):
             if key not in self._seen or key in self._host:
                 continue  # not tracked (made while paused or before) or already host
             nbytes = storage.nbytes()
@@ -241,12 +249,7 @@ class CpuMemoryMonitor(MemoryMonitor):
     def mark_device(self, *tensors: torch.Tensor) -> None:
         """Count these host-born storages on the device, from their creation on: the reverse of
         ``mark_host`` (a correction that adds their bytes over the span they were alive)."""
-        for t in tensors:
-            try:
-                storage = t.untyped_storage()
-            except (NotImplementedError, RuntimeError):
-                continue
-            key = id(storage)
+        for key, _ in _storages(tensors):
             if key not in self._host_born:
                 continue  # not host-born: tracked on the device already, or not tracked
             nbytes = self._host.pop(key)
