@@ -28,6 +28,7 @@ from trials.build import build_model
 from trials.cuda import ALLOC_CONF_ENV, capped, is_oom_error, measured_tokens
 from trials.data import batch_for_step
 from trials.engines import ENGINES, engine_for, world
+from trials.extensions import clear_stale_locks
 from trials.lifeline import start_lifeline
 from trials.memory import MemoryMonitor, make_monitor
 from trials.spec import TrialResult, TrialSpec, rank_result_path
@@ -192,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     spec_path, result_path = Path(args[0]), Path(args[1])
     start_lifeline()
+    for lock in clear_stale_locks():  # else DeepSpeed's op loading waits on it forever
+        print(f"autotune: removed the stale extension build lock {lock}", file=sys.stderr)
     try:
         spec = TrialSpec.load(spec_path)
         result = run_trial(spec)
