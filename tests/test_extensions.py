@@ -67,9 +67,9 @@ def test_the_build_root_is_torchs(monkeypatch: pytest.MonkeyPatch, tmp_path: Pat
 def test_a_deepspeed_trial_runs_through_a_stale_lock(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A real ZeRO-1 trial (DeepSpeed loads its shm comm op on the CPU, one rank too) over an extension
-    directory with an hour-old lock in the op's build directory: without the sweep it waits until
-    the runner's time limit."""
+    """A real ZeRO-1 trial (DeepSpeed loads its shm comm op on the CPU, one rank too) over an
+    extension directory with an hour-old lock in the op's build directory: without the sweep it
+    waits until the runner's time limit."""
     root = tmp_path / "extensions"
     tag = f"py{sys.version_info.major}{sys.version_info.minor}_" + (
         "cpu" if torch.version.cuda is None else f"cu{torch.version.cuda.replace('.', '')}"
