@@ -29,7 +29,7 @@ V100 = Hardware(
 def test_default_space_loads_from_package() -> None:
     space = SearchSpace.load()
     names = [d.name for d in space.dimensions]
-    assert names[:3] == ["gradient_checkpointing", "checkpoint_every", "precision"]
+    assert names[:4] == ["gradient_checkpointing", "checkpoint_every", "cross_entropy", "precision"]
     assert space.reference["precision"] == "fp32"
 
 
@@ -58,10 +58,10 @@ def test_grid_respects_conditions_and_rules() -> None:
     for c in grid:
         assert ("checkpoint_every" in c) == (c["gradient_checkpointing"] == "selective")
         assert not (c["attention"] == "eager" and c["micro_batch_size"] == 16)
-    # 3 checkpointing x 2 precision (no DeepSpeed fp16 on this CPU) x (5 micro-batches with sdpa
-    # + 4 with eager) x ZeRO settings: with adamw 1 + 18 + 72 + 48 (stages 0-3); the two other
-    # optimizers can't offload the optimizer: 1 + 9 + 36 + 24 each
-    assert len(grid) == 3 * 2 * (5 + 4) * ((1 + 18 + 72 + 48) + 2 * (1 + 9 + 36 + 24))
+    # 3 checkpointing x 2 cross-entropy x 2 precision (no DeepSpeed fp16 on this CPU) x (5
+    # micro-batches with sdpa + 4 with eager) x ZeRO settings: with adamw 1 + 18 + 72 + 48
+    # (stages 0-3); the two other optimizers can't offload the optimizer: 1 + 9 + 36 + 24 each
+    assert len(grid) == 3 * 2 * 2 * (5 + 4) * ((1 + 18 + 72 + 48) + 2 * (1 + 9 + 36 + 24))
 
 
 def test_optuna_never_samples_forbidden_combinations() -> None:
@@ -83,6 +83,7 @@ def test_params_for_round_trips_through_enqueue() -> None:
     space = SearchSpace.load().resolve(16, CPU)
     config = {
         "gradient_checkpointing": "off",
+        "cross_entropy": "chunked",
         "precision": "bf16",
         "attention": "eager",
         "optimizer": "lion",
@@ -105,6 +106,7 @@ def test_reference_is_exact_and_minimal() -> None:
     ref = SearchSpace.load().resolve(16, CPU).reference_config()
     assert ref == {
         "gradient_checkpointing": "full",
+        "cross_entropy": "full",
         "precision": "fp32",
         "attention": "sdpa",
         "optimizer": "adamw",

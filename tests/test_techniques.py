@@ -97,6 +97,7 @@ def test_built_in_tables_are_the_ones_the_modules_replaced() -> None:
     assert list(REGISTRY.known_dimensions()) == [
         "gradient_checkpointing",
         "checkpoint_every",
+        "cross_entropy",
         "precision",
         "attention",
         "optimizer",
@@ -115,6 +116,7 @@ def test_built_in_tables_are_the_ones_the_modules_replaced() -> None:
     assert REGISTRY.known_dimensions()["zero_stage"] == (0, 1, 2, 3)
     assert REGISTRY.baseline() == {
         "gradient_checkpointing": "off",
+        "cross_entropy": "full",
         "precision": "fp32",
         "attention": "sdpa",
         "optimizer": "adamw",
@@ -134,7 +136,7 @@ def test_built_in_tables_are_the_ones_the_modules_replaced() -> None:
     }
     assert REGISTRY.numerics_dimensions() == ("precision", "optimizer", "quantization")
     families = [t.family for t in REGISTRY]
-    assert len(families) == len(set(families)) == 10
+    assert len(families) == len(set(families)) == 11
 
 
 def test_a_dimension_belongs_to_one_technique(toy: ToyPad) -> None:

@@ -15,7 +15,8 @@ eager attention) but counted for the LLaMA decoder as transformers runs it, tens
 * full checkpointing keeps each layer's input (4h per token) plus one layer recomputed at a
   time in backward; selective every k-th layer keeps the others whole.
 * logits and loss: fp32 log-softmax kept from forward; at the start of backward its gradient and
-  the logits' gradient: 12 T*v bytes (+2 T*v of 16-bit logits in forward under autocast).
+  the logits' gradient: 12 T*v bytes (+2 T*v of 16-bit logits in forward under autocast); with
+  chunked cross-entropy T is one slice's tokens (the others' logits never exist at the time).
 
 The peak is the largest of four moments: end of forward, start of backward (logits gradients),
 end of backward (all gradients and the last recomputed layer), optimizer step.
@@ -31,6 +32,7 @@ from autotune.estimator.gpus import GpuSpec
 from autotune.estimator.speed import roofline
 from autotune.estimator.states import deepspeed_states, estimator_states, zero_states_at
 from autotune.models import stats_of
+from trials.techniques.cross_entropy import loss_tokens
 from trials.techniques.micro_batch import micro_and_accumulation
 
 
@@ -80,8 +82,17 @@ class AnalyticalEstimator(Estimator):
             head_acts += 5 * h * tokens
         # under autocast 16-bit logits plus the fp32 log-softmax; DeepSpeed's 16-bit model keeps
         # its 16-bit logits and the loss's fp32 upcast
-        fwd_logits = (6 if half and deepspeed else 10 if half else 8) * tokens * vocab
-        bwd_logits = 12 * tokens * vocab
+        # (chunked cross-entropy: one slice's logits at a time, recomputed in backward)
+        logit_tokens = loss_tokens(config, tokens)
+        fwd_logits = (6 if half and deepspeed else 10 if half else 8) * logit_tokens * vocab
+        bwd_logits = 12 * logit_tokens * vocab
+        if logit_tokens < tokens:
+            # the head's weight is used once per slice: autograd sums its slices' gradients in
+            # a buffer before it reaches ``.grad`` (the sum so far and the new slice's: two
+            # head-sized gradients, of the 16-bit weight copy under autocast); and the hidden
+            # states' gradient filled slice by slice
+            grad_bytes = 2 if half else 4
+            bwd_logits += 2 * grad_bytes * head_params + 4 * h * tokens
         acts = kept + head_acts
         cache_in_fwd = weight_cache
         cache_in_bwd = 0 if every == 1 else weight_cache * (layers - n_ckpt) // max(1, layers)

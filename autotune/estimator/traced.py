@@ -35,7 +35,7 @@ from autotune.estimator.gpus import GpuSpec
 from autotune.estimator.speed import roofline
 from autotune.estimator.states import deepspeed_states, estimator_states, zero_states_at
 from autotune.models import stats_of
-from trials.techniques import CHECKPOINTING, OPTIMIZERS, PRECISIONS
+from trials.techniques import OPTIMIZERS, PRECISIONS, REGISTRY
 from trials.techniques.micro_batch import micro_and_accumulation
 
 CACHE_VERSION = 3
@@ -249,7 +249,7 @@ def trace_step(
                 fallback = 1
         balance_experts(model, model_config)
         model.train()
-        CHECKPOINTING[str(config.get("gradient_checkpointing", "off"))](model, config)
+        model = REGISTRY.apply_traced(model, config, torch.device("cpu"))
 
         def grad_ready(p: torch.Tensor) -> None:
             if p.grad is not None:

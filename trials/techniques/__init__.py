@@ -26,6 +26,7 @@ from trials.techniques import (
     attention,
     buckets,
     checkpointing,
+    cross_entropy,
     micro_batch,
     offload,
     optimizer,
@@ -139,10 +140,18 @@ class Registry:
             model = technique.apply(model, config, device)
         return model
 
+    def apply_traced(self, model: Any, config: Config, device: Any) -> Any:
+        """The techniques the traced estimator's fake step applies, in order."""
+        for technique in self._techniques:
+            if technique.traced:
+                model = technique.apply(model, config, device)
+        return model
+
 
 #: the techniques, in the order their dimensions are listed and applied
 _BUILT_IN: list[Technique] = [
     checkpointing.TECHNIQUE,
+    cross_entropy.TECHNIQUE,
     precision.TECHNIQUE,
     attention.TECHNIQUE,
     optimizer.TECHNIQUE,

@@ -112,6 +112,9 @@ class Technique:
 
     family: str = ""
     knobs: tuple[Knob, ...] = ()
+    #: whether the traced estimator applies it too (``autotune.estimator.traced``: a step under
+    #: ``FakeTensorMode``, where only what works on fake tensors can run)
+    traced: bool = False
 
     def apply(self, model: nn.Module, config: Config, device: torch.device) -> nn.Module:
         return model

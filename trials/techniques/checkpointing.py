@@ -50,6 +50,7 @@ def every_n_layers(config: Config) -> int | None:
 
 class Checkpointing(Technique):
     family = "checkpointing"
+    traced = True
     knobs = (
         Knob(
             "gradient_checkpointing",
