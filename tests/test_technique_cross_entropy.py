@@ -87,6 +87,21 @@ def test_exports() -> None:
     assert technique.training_arguments(plain, cuda) == technique.axolotl(plain, cuda) == {}
 
 
+def test_axolotl_reads_the_cpu_keys() -> None:
+    """axolotl 0.19's own loader keeps the chunked-loss keys its patch manager reads
+    (``chunked_cross_entropy``, ``chunked_cross_entropy_num_chunks``)."""
+    from axolotl.utils.config import validate_config
+    from axolotl.utils.dict import DictDefault
+
+    from tests.test_export_consumers import AXOLOTL_USER
+
+    technique = next(t for t in REGISTRY if t.family == "cross_entropy")
+    fragment = technique.axolotl({"cross_entropy": "chunked"}, Run(1, 1, 1, "cpu", 1e-4))
+    cfg = validate_config(DictDefault({**AXOLOTL_USER, "micro_batch_size": 1, **fragment}))
+    assert cfg["chunked_cross_entropy"] is True
+    assert cfg["chunked_cross_entropy_num_chunks"] == CHUNKS
+
+
 @pytest.mark.slow
 def test_a_real_trial_saves_what_the_estimator_says(tmp_path: Path) -> None:
     """tiny-llama at seq 64, micro-batch 8, fp32 (the logits are 8192 wide: 33.5 MB of fp32
