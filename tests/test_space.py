@@ -29,7 +29,13 @@ V100 = Hardware(
 def test_default_space_loads_from_package() -> None:
     space = SearchSpace.load()
     names = [d.name for d in space.dimensions]
-    assert names[:4] == ["gradient_checkpointing", "checkpoint_every", "cross_entropy", "precision"]
+    assert names[:5] == [
+        "gradient_checkpointing",
+        "checkpoint_every",
+        "checkpoint_save",
+        "cross_entropy",
+        "precision",
+    ]
     assert space.reference["precision"] == "fp32"
 
 
@@ -58,10 +64,12 @@ def test_grid_respects_conditions_and_rules() -> None:
     for c in grid:
         assert ("checkpoint_every" in c) == (c["gradient_checkpointing"] == "selective")
         assert not (c["attention"] == "eager" and c["micro_batch_size"] == 16)
-    # 3 checkpointing x 2 cross-entropy x 2 precision (no DeepSpeed fp16 on this CPU) x (5
-    # micro-batches with sdpa + 4 with eager) x ZeRO settings: with adamw 1 + 18 + 72 + 48
-    # (stages 0-3); the two other optimizers can't offload the optimizer: 1 + 9 + 36 + 24 each
-    assert len(grid) == 3 * 2 * 2 * (5 + 4) * ((1 + 18 + 72 + 48) + 2 * (1 + 9 + 36 + 24))
+    # (off + 3 ops saved under full and under selective) checkpointing x 2 cross-entropy x 2
+    # precision (no DeepSpeed fp16 on this CPU) x (5 micro-batches with sdpa + 4 with eager) x
+    # ZeRO settings: with adamw 1 + 18 + 72 + 48 (stages 0-3); the two other optimizers can't
+    # offload the optimizer: 1 + 9 + 36 + 24 each
+    zero = (1 + 18 + 72 + 48) + 2 * (1 + 9 + 36 + 24)
+    assert len(grid) == (1 + 3 + 3) * 2 * 2 * (5 + 4) * zero
 
 
 def test_optuna_never_samples_forbidden_combinations() -> None:
@@ -106,6 +114,7 @@ def test_reference_is_exact_and_minimal() -> None:
     ref = SearchSpace.load().resolve(16, CPU).reference_config()
     assert ref == {
         "gradient_checkpointing": "full",
+        "checkpoint_save": "none",
         "cross_entropy": "full",
         "precision": "fp32",
         "attention": "sdpa",

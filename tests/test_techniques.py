@@ -97,6 +97,7 @@ def test_built_in_tables_are_the_ones_the_modules_replaced() -> None:
     assert list(REGISTRY.known_dimensions()) == [
         "gradient_checkpointing",
         "checkpoint_every",
+        "checkpoint_save",
         "cross_entropy",
         "precision",
         "attention",
@@ -128,6 +129,7 @@ def test_built_in_tables_are_the_ones_the_modules_replaced() -> None:
     assert set(REGISTRY.memory_orders()) == {
         "micro_batch_size",
         "gradient_checkpointing",
+        "checkpoint_save",
         "offload_optimizer",
         "offload_param",
         "reduce_bucket_size",

@@ -7,6 +7,7 @@ from typing import Any
 
 from autotune.estimator.states import deepspeed_states
 from autotune.models import ModelStats
+from trials.techniques.checkpointing import saved_ops
 
 
 def layer_activation_bytes(st: ModelStats, config: dict[str, Any], seq_len: int, micro: int) -> int:
@@ -45,3 +46,20 @@ def layer_activation_bytes(st: ModelStats, config: dict[str, Any], seq_len: int,
 #: I-wide tensors an activation keeps beyond its input and output: GPT-2's ``gelu_new`` is
 #: written out in Python (tanh, 0.5x and 1 + tanh are saved for backward)
 ACT_EXTRA_SAVED = {"gelu_new": 3}
+
+
+def saved_op_bytes(st: ModelStats, config: dict[str, Any], seq_len: int, micro: int) -> int:
+    """Bytes a checkpointed layer keeps besides its input under ``checkpoint_save``: the
+    attention kernel's output (and its fp32 log-sum-exp per head), and with ``matmuls`` every
+    projection's output too (q, k, v, o; gate and up, or up alone, per routed expert; down)."""
+    save = saved_ops(config)
+    if save == "none":
+        return 0
+    half = config.get("precision", "fp32") in ("bf16", "fp16")
+    width = 2 if half else 4
+    q, kvw = st.heads * st.head_dim, st.kv_heads * st.head_dim
+    per_token = width * q + 4 * st.heads
+    if save == "matmuls":
+        mlp = ((2 if st.gated_mlp else 1) * st.intermediate + st.hidden) * max(1, st.top_k)
+        per_token += width * (q + 2 * kvw + st.hidden + mlp)
+    return per_token * seq_len * micro

@@ -13,7 +13,8 @@ eager attention) but counted for the LLaMA decoder as transformers runs it, tens
   softmax + its 16-bit copy), i.e. Korthikanti's 5as/h term; sdpa/flash keep none of it.
 * autocast keeps a 16-bit copy of every linear weight for backward (2 bytes per linear param).
 * full checkpointing keeps each layer's input (4h per token) plus one layer recomputed at a
-  time in backward; selective every k-th layer keeps the others whole.
+  time in backward; selective every k-th layer keeps the others whole; ``checkpoint_save``
+  keeps the attention output (and per-head log-sum-exp) or every projection's output besides.
 * logits and loss: fp32 log-softmax kept from forward; at the start of backward its gradient and
   the logits' gradient: 12 T*v bytes (+2 T*v of 16-bit logits in forward under autocast); with
   chunked cross-entropy T is one slice's tokens (the others' logits never exist at the time).
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from autotune.estimator.activations import layer_activation_bytes
+from autotune.estimator.activations import layer_activation_bytes, saved_op_bytes
 from autotune.estimator.base import PARTS, Estimate, Estimator
 from autotune.estimator.gpus import GpuSpec
 from autotune.estimator.speed import roofline
@@ -74,7 +75,9 @@ class AnalyticalEstimator(Estimator):
         ckpt = str(config.get("gradient_checkpointing", "off"))
         every = {"off": 0, "full": 1}.get(ckpt, int(config.get("checkpoint_every", 2)))
         n_ckpt = layers // every if every else 0
-        kept = n_ckpt * stream + (layers - n_ckpt) * per_layer
+        # a checkpointed layer keeps its input and, selective per op, the saved ops' outputs
+        kept = n_ckpt * (stream + saved_op_bytes(st, config, seq_len, micro))
+        kept += (layers - n_ckpt) * per_layer
         recompute = (per_layer + layer_weight_cache) if every else 0
         # embedding output and the final norm (fp32 input, normalised, scaled, 16-bit copy)
         head_acts = (4 + 4 + 4 + (2 if half else 0)) * h * tokens

@@ -15,7 +15,8 @@ an efficiency, whichever is slower (a roofline per op class):
   gradients) at HBM bandwidth.
 * **everything else** (norms, activations, residuals, RoPE, softmax of the loss): memory
   bound, ``ELEMENTWISE_PASSES`` reads/writes of the bytes a layer keeps for backward.
-* **checkpointing** recomputes the forward of every checkpointed layer.
+* **checkpointing** recomputes the forward of every checkpointed layer, less the ops it saves
+  (``checkpoint_save``: the attention kernel, or also every matmul).
 * **optimizer step**: bytes moved per parameter (AdamW 28: read p, g, m, v, write p, m, v;
   DeepSpeed adds the 16-bit copy) over the GPU's shard.
 * **ZeRO communication** over NVLink (or PCIe), ring algorithms, at ``COMM_EFFICIENCY``:
@@ -45,6 +46,7 @@ from autotune.estimator.activations import layer_activation_bytes
 from autotune.estimator.base import Estimate
 from autotune.estimator.gpus import GpuSpec
 from autotune.models import ModelStats, stats_of
+from trials.techniques.checkpointing import saved_ops
 from trials.techniques.micro_batch import micro_and_accumulation
 
 #: fraction of the dense tensor-core (or fp32) peak that training's GEMMs reach, per GPU
@@ -148,7 +150,15 @@ def step_time(
         if ckpt == "off"
         else 1 / (1 if ckpt == "full" else int(config.get("checkpoint_every", 2)))
     )
-    fwd_all = (fwd_mm + attn_fwd + elementwise / 3 + dequant / 2) * (1 + rc)
+    # what a checkpointed layer saves per op it does not recompute
+    save = saved_ops(config)
+    recomputed = (
+        (0.0 if save == "matmuls" else fwd_mm)
+        + (0.0 if save != "none" else attn_fwd)
+        + elementwise / 3
+        + dequant / 2
+    )
+    fwd_all = fwd_mm + attn_fwd + elementwise / 3 + dequant / 2 + rc * recomputed
 
     # --- ZeRO communication per micro-batch and per step ---------------------------------------
     link = gpu.interconnect_gbps * GB * COMM_EFFICIENCY

@@ -1,10 +1,18 @@
 """Activation (gradient) checkpointing: recompute a decoder layer's activations in backward
 instead of keeping them. ``full`` checkpoints every layer, ``selective`` every
-``checkpoint_every``-th one; exact (the same math), less memory, more compute."""
+``checkpoint_every``-th one; exact (the same math), less memory, more compute.
+
+``checkpoint_save`` makes it selective per op inside each checkpointed layer
+(``torch.utils.checkpoint.create_selective_checkpoint_contexts``): ``attention`` keeps the
+attention kernel's outputs (the most expensive op to recompute at long sequences, axolotl's
+default), ``matmuls`` also every matrix multiply's, so backward recomputes only the cheap
+pointwise ops and norms (torchtune's op-level policy); ``none`` keeps only the layer's input.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from trials.techniques.base import Config, Knob, Run, Technique
@@ -14,12 +22,61 @@ if TYPE_CHECKING:
     from torch import nn
 
 
+#: ``checkpoint_save`` -> the aten ops whose outputs a checkpointed layer keeps (by op name; the
+#: attention kernels as the CPU and CUDA dispatch them)
+ATTENTION_OPS = (
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+)
+MATMUL_OPS = ("mm", "addmm", "bmm")
+SAVED_OPS: dict[str, tuple[str, ...]] = {
+    "none": (),
+    "attention": ATTENTION_OPS,
+    "matmuls": ATTENTION_OPS + MATMUL_OPS,
+}
+
+
+def saved_ops(config: Config) -> str:
+    """The config's ``checkpoint_save`` (``none`` without checkpointing)."""
+    if str(config.get("gradient_checkpointing", "off")) == "off":
+        return "none"
+    return str(config.get("checkpoint_save", "none"))
+
+
+def _policy(names: tuple[str, ...]) -> Callable[..., Any]:
+    """A selective-checkpoint policy: save the outputs of the ``names`` aten ops, recompute the
+    rest (PREFER: torch may still save what it must)."""
+    import torch
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    ops = {getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n)}
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if op in ops else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def checkpoint_kwargs(config: Config) -> dict[str, Any]:
+    """``torch.utils.checkpoint.checkpoint``'s keyword arguments the job passes (non-reentrant;
+    with ``checkpoint_save``, the selective-checkpoint context)."""
+    kwargs: dict[str, Any] = {"use_reentrant": False}
+    names = SAVED_OPS[saved_ops(config)]
+    if names:
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, _policy(names))
+    return kwargs
+
+
 def _checkpoint_every(k: int) -> Callable[[nn.Module, Config], None]:
     def apply(model: nn.Module, config: Config) -> None:
         every = k or int(config.get("checkpoint_every", 2))
         enable = getattr(model, "activation_checkpointing_enable", None)
         if enable is not None:  # transformers >= 5
-            enable(activation_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=every)
+            enable(activation_checkpointing_kwargs=checkpoint_kwargs(config), every_n_layers=every)
         else:  # pragma: no cover - older transformers, every layer only
             model.gradient_checkpointing_enable(  # type: ignore[operator]
                 gradient_checkpointing_kwargs={"use_reentrant": False}
@@ -64,6 +121,13 @@ class Checkpointing(Technique):
         Knob(
             "checkpoint_every", None, short=lambda v: f"k={v}"
         ),  # selective's k (a positive integer)
+        Knob(
+            "checkpoint_save",
+            tuple(SAVED_OPS),
+            short=lambda v: "" if v == "none" else f"save={v}",
+            # more ops' outputs kept, more memory
+            memory_order=lambda v: {"none": 0.0, "attention": 1.0, "matmuls": 2.0}[v],
+        ),
     )
 
     def apply(self, model: nn.Module, config: Config, device: torch.device) -> nn.Module:
@@ -74,17 +138,29 @@ class Checkpointing(Technique):
         every = every_n_layers(config)
         if every is None:
             return {}
-        return {  # the trial's checkpointing, every layer or every k-th
+        # the trial's checkpointing, every layer or every k-th; a per-op policy is a Python
+        # callable (``context_fn``) that no JSON key can carry: the companion names it
+        return {
             "activation_checkpointing": True,
             "activation_checkpointing_kwargs": {"use_reentrant": False, "every_n_layers": every},
         }
 
     def axolotl(self, config: Config, run: Run) -> dict[str, Any]:
         # axolotl checkpoints every layer: selective exports as full
-        return {"gradient_checkpointing": every_n_layers(config) is not None}
+        out: dict[str, Any] = {"gradient_checkpointing": every_n_layers(config) is not None}
+        save = saved_ops(config)
+        if save != "none":  # axolotl's SAC matches op names by substring ("aten::mm")
+            names = ["attention"] + (
+                ["aten::mm", "aten::addmm", "aten::bmm"] if save == "matmuls" else []
+            )
+            out["selective_checkpointing"] = {"save": names}
+        return out
 
     def companion(self, config: Config, run: Run) -> dict[str, Any]:
-        return {"checkpoint_every_n_layers": every_n_layers(config)}
+        return {
+            "checkpoint_every_n_layers": every_n_layers(config),
+            "checkpoint_save_ops": list(SAVED_OPS[saved_ops(config)]) or None,
+        }
 
 
 TECHNIQUE = Checkpointing()
