@@ -16,7 +16,8 @@ an efficiency, whichever is slower (a roofline per op class):
 * **everything else** (norms, activations, residuals, RoPE, softmax of the loss): memory
   bound, ``ELEMENTWISE_PASSES`` reads/writes of the bytes a layer keeps for backward.
 * **checkpointing** recomputes the forward of every checkpointed layer, less the ops it saves
-  (``checkpoint_save``: the attention kernel, or also every matmul).
+  (``checkpoint_save``: the attention kernel, or also every matmul); chunked cross-entropy
+  recomputes the LM head's matmul.
 * **optimizer step**: bytes moved per parameter (AdamW 28: read p, g, m, v, write p, m, v;
   DeepSpeed adds the 16-bit copy) over the GPU's shard.
 * **ZeRO communication** over NVLink (or PCIe), ring algorithms, at ``COMM_EFFICIENCY``:
@@ -47,6 +48,7 @@ from autotune.estimator.base import Estimate
 from autotune.estimator.gpus import GpuSpec
 from autotune.models import ModelStats, stats_of
 from trials.techniques.checkpointing import saved_ops
+from trials.techniques.cross_entropy import is_chunked
 from trials.techniques.micro_batch import micro_and_accumulation
 
 #: fraction of the dense tensor-core (or fp32) peak that training's GEMMs reach, per GPU
@@ -150,15 +152,17 @@ def step_time(
         if ckpt == "off"
         else 1 / (1 if ckpt == "full" else int(config.get("checkpoint_every", 2)))
     )
-    # what a checkpointed layer saves per op it does not recompute
+    # what a checkpointed layer saves per op it does not recompute; chunked cross-entropy runs
+    # the LM head's matmul again in backward
     save = saved_ops(config)
-    recomputed = (
-        (0.0 if save == "matmuls" else fwd_mm)
-        + (0.0 if save != "none" else attn_fwd)
-        + elementwise / 3
-        + dequant / 2
+    head_flops = 2 * tokens * st.vocab * st.hidden
+    recompute_compute = rc * (
+        (0.0 if save == "matmuls" else fwd_mm) + (0.0 if save != "none" else attn_fwd)
+    ) + (_roof(head_flops, wbytes * st.vocab * st.hidden, peak, hbm) if is_chunked(config) else 0.0)
+    recompute_memory = rc * (elementwise / 3 + dequant / 2)
+    fwd_all = (
+        fwd_mm + attn_fwd + elementwise / 3 + dequant / 2 + recompute_compute + recompute_memory
     )
-    fwd_all = fwd_mm + attn_fwd + elementwise / 3 + dequant / 2 + rc * recomputed
 
     # --- ZeRO communication per micro-batch and per step ---------------------------------------
     link = gpu.interconnect_gbps * GB * COMM_EFFICIENCY
@@ -203,9 +207,9 @@ def step_time(
         opt_s += 8 * psi / hbm
 
     return StepTime(
-        compute=accum * ((fwd_mm + attn_fwd) * (1 + rc) + bwd_mm + attn_bwd),
+        compute=accum * (fwd_mm + attn_fwd + recompute_compute + bwd_mm + attn_bwd),
         memory=accum
-        * ((elementwise / 3 + dequant / 2) * (1 + rc) + 2 * elementwise / 3 + dequant / 2),
+        * (elementwise / 3 + dequant / 2 + recompute_memory + 2 * elementwise / 3 + dequant / 2),
         optimizer=opt_s,
         communication=accum * comm_micro_exposed + comm_step,
         offload=offload,
