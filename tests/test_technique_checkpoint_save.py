@@ -79,7 +79,7 @@ def test_axolotl_reads_its_selective_checkpointing_keys() -> None:
 def test_what_it_keeps_is_what_the_estimator_counts(precision: str, tmp_path: Path) -> None:
     """Real CPU trials of tiny-llama with full checkpointing, saving nothing, the attention, and
     every matmul: the same losses; each saving policy's measured extra peak (what the layers
-    keep besides their inputs) within 10% of the analytical estimator's, and tokens/s recorded
+    keep besides their inputs) within 1% of the analytical estimator's, and tokens/s recorded
     per policy (on a CPU, recomputing is cheap next to the memory it saves; on a GPU the
     matmuls it skips are most of a layer's forward)."""
     peaks, predicted, losses = {}, {}, {}
@@ -106,4 +106,5 @@ def test_what_it_keeps_is_what_the_estimator_counts(precision: str, tmp_path: Pa
         assert losses[save] == losses["none"]
         measured_extra = peaks[save] - peaks["none"]
         assert measured_extra > 0
-        assert predicted[save] - predicted["none"] == pytest.approx(measured_extra, rel=0.10)
+        # measured here: equal to the byte in all four cases (the issue asks 10%)
+        assert predicted[save] - predicted["none"] == pytest.approx(measured_extra, rel=0.01)
