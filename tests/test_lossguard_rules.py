@@ -24,6 +24,7 @@ from autotune.lossguard import (
 )
 from autotune.models import REGISTRY
 from autotune.runner import TrialRunner
+from trials.engines import trial_deepspeed_config
 from trials.spec import TrialResult, TrialSpec
 
 LLAMA = REGISTRY["tiny-llama"].config
@@ -295,6 +296,7 @@ def test_the_probe_trains_the_proxy_as_specified(cache: Path) -> None:
     ref, cand = specs
     assert ref.config == {
         "precision": "fp32",
+        "master_weights": "fp32",
         "optimizer": "adamw",
         "quantization": "none",
         "attention": "sdpa",
@@ -306,6 +308,30 @@ def test_the_probe_trains_the_proxy_as_specified(cache: Path) -> None:
         assert (spec.warmup_steps, spec.measured_steps, spec.seed, spec.lr) == (0, 50, 0, 3e-3)
         assert spec.backend == "cuda"
         assert spec.model_config == proxy_config(LLAMA)
+
+
+def test_a_pure_bf16_probe_runs_under_zero(cache: Path) -> None:
+    """Pure bf16 exists only in DeepSpeed's ZeRO optimizers: its probe trains the proxy under
+    ZeRO-1 with DeepSpeed's bf16 master weights and states, not the plain engine's autocast
+    (which would measure mixed bf16 and call it pure)."""
+    specs: list[TrialSpec] = []
+
+    class Recording(ReplayRunner):
+        def run(self, spec: TrialSpec, name: str) -> TrialResult:
+            specs.append(spec)
+            return super().run(spec, name)
+
+    prober = Prober(LLAMA, ProbeSettings(50, 1, 3e-3, "cpu"), Recording(RECORDED))
+    prober.judge({"precision": "bf16", "master_weights": "bf16", "zero_stage": 2}, 0.03)
+    ref, cand = specs
+    assert "zero_stage" not in ref.config
+    assert cand.config["zero_stage"] == 1 and cand.config["master_weights"] == "bf16"
+    bf16 = trial_deepspeed_config(cand)["bf16"]
+    assert bf16 == {
+        "enabled": True,
+        "bf16_master_weights_and_grads": True,
+        "bf16_optimizer_states": True,
+    }
 
 
 def test_a_failed_probe_runs_again_and_a_good_one_is_cached_on_disk(

@@ -64,12 +64,14 @@ def test_grid_respects_conditions_and_rules() -> None:
     for c in grid:
         assert ("checkpoint_every" in c) == (c["gradient_checkpointing"] == "selective")
         assert not (c["attention"] == "eager" and c["micro_batch_size"] == 16)
-    # (off + 3 ops saved under full and under selective) checkpointing x 2 cross-entropy x 2
-    # precision (no DeepSpeed fp16 on this CPU) x (5 micro-batches with sdpa + 4 with eager) x
-    # ZeRO settings: with adamw 1 + 18 + 72 + 48 (stages 0-3); the two other optimizers can't
-    # offload the optimizer: 1 + 9 + 36 + 24 each
-    zero = (1 + 18 + 72 + 48) + 2 * (1 + 9 + 36 + 24)
-    assert len(grid) == (1 + 3 + 3) * 2 * 2 * (5 + 4) * zero
+    # (off + 3 ops saved under full and under selective) checkpointing x 2 cross-entropy x (5
+    # micro-batches with sdpa + 4 with eager) x precision (no DeepSpeed fp16 on this CPU) and
+    # ZeRO settings. fp32: with adamw 1 + 18 + 72 + 48 (stages 0-3), the two other optimizers
+    # can't offload the optimizer: 1 + 9 + 36 + 24 each. bf16 adds pure bf16 at stages 1-3
+    # where the optimizer is not offloaded: adamw 1 + (9 + 9) + (36 + 36) + (24 + 24) more
+    fp32 = (1 + 18 + 72 + 48) + 2 * (1 + 9 + 36 + 24)
+    bf16 = fp32 + 3 * (9 + 36 + 24)
+    assert len(grid) == (1 + 3 + 3) * 2 * (5 + 4) * (fp32 + bf16)
 
 
 def test_optuna_never_samples_forbidden_combinations() -> None:
@@ -100,6 +102,7 @@ def test_params_for_round_trips_through_enqueue() -> None:
         "zero_stage": 3,
         "offload_optimizer": "none",  # lion: DeepSpeed offloads only its own Adam
         "offload_param": "cpu",
+        "master_weights": "bf16",
         "reduce_bucket_size": 5_000_000,
         "overlap_comm": True,
         "contiguous_gradients": False,

@@ -100,6 +100,7 @@ def test_built_in_tables_are_the_ones_the_modules_replaced() -> None:
         "checkpoint_save",
         "cross_entropy",
         "precision",
+        "master_weights",
         "attention",
         "optimizer",
         "micro_batch_size",
@@ -119,6 +120,7 @@ def test_built_in_tables_are_the_ones_the_modules_replaced() -> None:
         "gradient_checkpointing": "off",
         "cross_entropy": "full",
         "precision": "fp32",
+        "master_weights": "fp32",
         "attention": "sdpa",
         "optimizer": "adamw",
         "zero_stage": 0,
@@ -130,13 +132,19 @@ def test_built_in_tables_are_the_ones_the_modules_replaced() -> None:
         "micro_batch_size",
         "gradient_checkpointing",
         "checkpoint_save",
+        "master_weights",
         "offload_optimizer",
         "offload_param",
         "reduce_bucket_size",
         "allgather_bucket_size",
         "overlap_comm",
     }
-    assert REGISTRY.numerics_dimensions() == ("precision", "optimizer", "quantization")
+    assert REGISTRY.numerics_dimensions() == (
+        "precision",
+        "master_weights",
+        "optimizer",
+        "quantization",
+    )
     families = [t.family for t in REGISTRY]
     assert len(families) == len(set(families)) == 11
 

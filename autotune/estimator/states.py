@@ -41,6 +41,7 @@ from autotune.estimator.gpus import GpuSpec
 from autotune.models import ModelStats, stats_of
 from trials.techniques import OPTIMIZERS
 from trials.techniques.micro_batch import micro_and_accumulation
+from trials.techniques.precision import pure_bf16
 from trials.techniques.quantization import (
     EXPERT_WEIGHT_BYTES,
     LORA_RANK,
@@ -168,13 +169,14 @@ def zero_states_at(phases: Phases, moment: str, accum: int) -> dict[str, int]:
     return held
 
 
-def adam_step_temporaries(numel: int, cuda: bool) -> int:
-    """fp32 temporaries of ``torch.optim.AdamW`` stepping one tensor of ``numel`` elements (what
-    DeepSpeed builds with ``torch_adam``; ZeRO steps one flat partition). Its single-tensor
-    update (the CPU's) makes ``exp_avg_sq.sqrt()`` and its quotient by the bias correction
-    before adding eps in place: two temporaries; the foreach update (CUDA's default) makes one
-    (``_foreach_sqrt``, then in place) - ``torch/optim/adam.py``."""
-    return (1 if cuda else 2) * 4 * numel
+def adam_step_temporaries(numel: int, cuda: bool, nbytes: int = 4) -> int:
+    """Temporaries of ``torch.optim.AdamW`` stepping one tensor of ``numel`` elements of
+    ``nbytes`` each (fp32, or bf16 in pure bf16; what DeepSpeed builds with ``torch_adam``; ZeRO
+    steps one flat partition). Its single-tensor update (the CPU's) makes ``exp_avg_sq.sqrt()``
+    and its quotient by the bias correction before adding eps in place: two temporaries; the
+    foreach update (CUDA's default) makes one (``_foreach_sqrt``, then in place) -
+    ``torch/optim/adam.py``."""
+    return (1 if cuda else 2) * nbytes * numel
 
 
 #: (id of ModelStats, threshold) -> parameters below the threshold; see ``_STATE_BYTES``
@@ -264,7 +266,12 @@ def model_states(
 
     half = precision in ("bf16", "fp16")
     wbytes = 2 if half else 4
-    master = 4 * psi  # DeepSpeed's fp32 partition (a copy even when training in fp32)
+    # master weights, their gradients and the optimizer's states: fp32, or bf16 in pure bf16
+    pure = pure_bf16(config) and not off_opt
+    mbytes = 2 if pure else 4
+    if pure:
+        states //= 2
+    master = mbytes * psi  # DeepSpeed's master partition (a copy even when training in fp32)
     notes = [f"model states: ZeRO-{stage} over {n} GPU(s) by formula (DeepSpeed's accounting)"]
     largest = st.largest_module_params
     part = psi // n  # this rank's share of the flat partition
@@ -273,7 +280,7 @@ def model_states(
         params = wbytes * psi
         # the 16-bit gradients: whole in stage 1, a partition in stage 2
         grads16 = (wbytes * psi if stage == 1 else wbytes * psi // n) if half else 0
-        grads32 = 4 * psi // n
+        grads32 = mbytes * psi // n
         optim = (master + states) // n
         if off_opt:
             grads16 = grads32 = optim = 0
@@ -281,7 +288,7 @@ def model_states(
             host = _host(HOST_OPTIMIZER_BYTES * psi * per_host // n, load_copy)
         else:
             host = _host(0, load_copy)
-        phases, host_rank = _phases12(stage, st, part, wbytes, optim, bucket, off_opt, cuda)
+        phases, host_rank = _phases12(stage, st, part, wbytes, mbytes, optim, bucket, off_opt, cuda)
         if off_opt and stage == 2 and accumulation > 1:
             # gradients accumulated over micro-batches in host memory, the partition's
             # parameters whole (accumulated_grads_in_cpu, async_accumulate_grad_in_cpu_via_gpu)
@@ -299,7 +306,7 @@ def model_states(
     # 4 B/param of it); ``phases`` has the working set DeepSpeed's coordinator really keeps
     gathered = 4 * largest
     params = wbytes * psi // n
-    grads = 4 * psi // n
+    grads = mbytes * psi // n
     optim = (master + states) // n  # with the 16-bit partition: 18 Psi/N in mixed precision
     load = 4 * largest * per_host if zero_init else load_copy
     offloaded = 0
@@ -320,7 +327,9 @@ def model_states(
         replaces_trace=True,
         host=_host(offloaded, load),
         notes=notes,
-        phases=_phases3(st, config, n, part, wbytes, optim, bucket, off_opt, off_param, cuda),
+        phases=_phases3(
+            st, config, n, part, wbytes, mbytes, optim, bucket, off_opt, off_param, cuda
+        ),
         host_per_rank=host_rank,
     )
 
@@ -330,6 +339,7 @@ def _phases12(
     st: ModelStats,
     part: int,
     wbytes: int,
+    mbytes: int,
     optim: int,
     bucket: int,
     off_opt: bool,
@@ -366,9 +376,9 @@ def _phases12(
         # (single_partition_of_fp32_groups[i].grad) and runs the optimizer on the flat partition
         step = {
             "parameters": params,
-            "gradients": 4 * part,
+            "gradients": mbytes * part,
             "optimizer_states": optim,
-            "temporaries": adam_step_temporaries(part, cuda),
+            "temporaries": adam_step_temporaries(part, cuda, mbytes),
         }
     return Phases(compute, accumulated, backward, step), host_rank
 
@@ -379,6 +389,7 @@ def _phases3(
     n: int,
     part: int,
     wbytes: int,
+    mbytes: int,
     optim: int,
     bucket: int,
     off_opt: bool,
@@ -417,9 +428,9 @@ def _phases3(
         sub = min(part, DS_SUB_GROUP)
         step = {
             "parameters": partition + wbytes * persistent,
-            "gradients": grad_buffer + 4 * sub,
+            "gradients": grad_buffer + mbytes * sub,
             "optimizer_states": optim,
-            "temporaries": bucket + adam_step_temporaries(sub, cuda),
+            "temporaries": bucket + adam_step_temporaries(sub, cuda, mbytes),
         }
     return Phases(compute, {}, {}, step)
 

@@ -192,7 +192,15 @@ def classes_up_to(widest: str) -> tuple[str, ...]:
     return FIDELITY_CLASSES[: FIDELITY_CLASSES.index(widest) + 1]
 
 
-def numerics_of(config: Config) -> dict[str, str]:
-    """The config's numerics-changing choices, with the plain (baseline) values filled in."""
+def numerics_of(config: Config) -> dict[str, Any]:
+    """The config's numerics-changing choices, with the plain (baseline) values filled in, and
+    what a loss probe needs besides for them to take effect (``Knob.probe_needs``)."""
     plain = REGISTRY.baseline()
-    return {d: str(config.get(d, plain[d])) for d in REGISTRY.numerics_dimensions()}
+    numerics: dict[str, Any] = {
+        d: str(config.get(d, plain[d])) for d in REGISTRY.numerics_dimensions()
+    }
+    for dimension, choice in list(numerics.items()):
+        knob = REGISTRY.knob(dimension)
+        if knob is not None:
+            numerics.update(knob.probe_needs.get(choice, {}))
+    return numerics

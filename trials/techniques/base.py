@@ -81,6 +81,9 @@ class Knob:
     #: the choice as the results table's config column shows it ("" when not used); None:
     #: ``name=value``
     short: Callable[[Any], str] | None = None
+    #: per choice, what else a loss probe's config must set for the choice to take effect
+    #: (the probe trains only the numerics choices; pure bf16 exists only under ZeRO)
+    probe_needs: Mapping[Choice, Mapping[str, Choice]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

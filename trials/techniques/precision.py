@@ -39,6 +39,18 @@ def weight_dtype(precision: str) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
 
 
+def pure_bf16(config: Config) -> bool:
+    """Whether DeepSpeed keeps master weights, gradients and optimizer states in bf16."""
+    return precision_of(config) == "bf16" and str(config.get("master_weights", "fp32")) == "bf16"
+
+
+def pure_bf16_keys(config: Config) -> dict[str, bool]:
+    """The DeepSpeed ``bf16`` section's keys for pure bf16 (DeepSpeed 0.19, ZeRO 1-3)."""
+    if not pure_bf16(config):
+        return {}
+    return {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+
+
 def _bf16(hw: Hardware) -> str | None:
     if hw.backend == "cuda" and not hw.ampere_or_newer:
         return "bf16 needs an Ampere (SM80) or newer GPU"
@@ -64,12 +76,26 @@ class MixedPrecision(Technique):
             # fp16 is fine in plain torch on any CPU, but every zero_stage runs DeepSpeed
             requires_with={"fp16": ("zero_stage", _deepspeed_fp16)},
         ),
+        # Pure bf16: DeepSpeed's master weights, gradients and optimizer states in bf16 too
+        # (``bf16_master_weights_and_grads``, ``bf16_optimizer_states``, ZeRO 1-3 with the
+        # states on the device): 2 + 2 + 4 bytes per parameter for AdamW instead of 2 + 4 + 4 +
+        # 8; updates below bf16's resolution are lost, so the state class is reduced
+        Knob(
+            "master_weights",
+            ("fp32", "bf16"),
+            baseline="fp32",
+            short=lambda v: "" if v == "fp32" else "pure-bf16",
+            fidelity={"bf16": "reduced_state"},
+            # bf16 states keep half the bytes
+            memory_order=lambda v: {"bf16": 0.0, "fp32": 1.0}[v],
+            probe_needs={"bf16": {"zero_stage": 1}},
+        ),
     )
 
     def deepspeed(self, config: Config, run: Run) -> dict[str, Any]:
         precision = precision_of(config)
         return {
-            "bf16": {"enabled": precision == "bf16"},
+            "bf16": {"enabled": precision == "bf16", **pure_bf16_keys(config)},
             "fp16": {
                 "enabled": precision == "fp16",
                 # dynamic loss scaling with torch.amp.GradScaler's defaults, which the plain
