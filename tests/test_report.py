@@ -193,12 +193,13 @@ def test_rungs_follow_the_space_rules() -> None:
     assert {k: base[k] for k in plain} == plain
     assert base.get("zero_stage", 0) == 0 and base.get("quantization", "none") == "none"
     target = {**base, "gradient_checkpointing": "selective", "checkpoint_every": 2}
-    target |= {"attention": "eager", "micro_batch_size": 2}
+    target |= {"checkpoint_save": "attention", "attention": "eager", "micro_batch_size": 2}
     assert compose(space, base, target, ["attention"]) is None
     assert compose(space, base, target, ["gradient_checkpointing"]) == {
         **base,
         "gradient_checkpointing": "selective",
         "checkpoint_every": 2,
+        "checkpoint_save": "attention",
     }
     assert compose(space, base, target, ["micro_batch_size", "attention"]) == {
         **base,
