@@ -11,7 +11,7 @@ from click.testing import CliRunner, Result
 from autotune.cli import main
 from autotune.models import REGISTRY
 from autotune.study import StudySettings
-from trials.spec import TrialSpec
+from trials.spec import TrialResult, TrialSpec
 
 DATA = Path(__file__).parent / "data"
 SMALL_SPACE = DATA / "small_space.yaml"
@@ -53,6 +53,23 @@ def tiny_spec(config: dict[str, Any], budget: int | None = None, **kw: Any) -> T
         lr=3e-3,
         **kw,
     )
+
+
+def measured_and_predicted(spec: TrialSpec, folder: Path) -> tuple[TrialResult, int]:
+    """A real trial of ``spec`` (it must succeed) and the analytical estimator's peak for it."""
+    from autotune.estimator.analytical import AnalyticalEstimator
+    from autotune.runner import SubprocessRunner
+
+    result = SubprocessRunner(folder, timeout_s=600).run(spec, folder.name)
+    assert result.status == "ok", result.error + result.stderr_tail
+    predicted = AnalyticalEstimator().estimate(
+        spec.model_config,
+        spec.config,
+        seq_len=spec.seq_len,
+        global_batch_size=spec.global_batch_size,
+        nproc=spec.nproc,
+    )
+    return result, predicted.peak_bytes
 
 
 def cli(*args: str, cwd: Path | None = None) -> Result:

@@ -8,10 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from autotune.estimator.analytical import AnalyticalEstimator
 from autotune.estimator.states import model_states
-from autotune.runner import SubprocessRunner
-from tests.conftest import tiny_spec
+from tests.conftest import measured_and_predicted, tiny_spec
 
 SMALL_BUCKETS = {"reduce_bucket_size": 5_000_000, "allgather_bucket_size": 5_000_000}
 CASES = [
@@ -57,16 +55,8 @@ def test_prediction_within_5_percent_of_a_measured_deepspeed_trial(
         nproc=nproc,
         measured_steps=1,
     )
-    measured = SubprocessRunner(tmp_path, timeout_s=600).run(spec, "t")
-    assert measured.status == "ok", measured.error + measured.stderr_tail
-    predicted = AnalyticalEstimator().estimate(
-        spec.model_config,
-        spec.config,
-        seq_len=spec.seq_len,
-        global_batch_size=spec.global_batch_size,
-        nproc=nproc,
-    )
-    assert predicted.peak_bytes == pytest.approx(measured.peak_bytes, rel=0.05)
+    measured, predicted = measured_and_predicted(spec, tmp_path / "t")
+    assert predicted == pytest.approx(measured.peak_bytes, rel=0.05)
     # the host side: fp32 master partition, its gradients and Adam's moments, DeepSpeed's host
     # staging buffers (and stage 3's offloaded 16-bit partitions), per rank as the tracker
     # counts them

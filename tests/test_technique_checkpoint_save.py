@@ -9,9 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from autotune.estimator.analytical import AnalyticalEstimator
-from autotune.runner import SubprocessRunner
-from tests.conftest import TINY, tiny_spec
+from tests.conftest import TINY, measured_and_predicted, tiny_spec
 from trials.build import build_model
 from trials.techniques import REGISTRY
 from trials.techniques.base import Run
@@ -88,20 +86,9 @@ def test_what_it_keeps_is_what_the_estimator_counts(precision: str, tmp_path: Pa
             {"gradient_checkpointing": "full", "checkpoint_save": save, "precision": precision},
             measured_steps=1,
         )
-        result = SubprocessRunner(tmp_path / save, timeout_s=600).run(spec, save)
-        assert result.status == "ok", result.error + result.stderr_tail
+        result, predicted[save] = measured_and_predicted(spec, tmp_path / save)
         assert result.tokens_per_s > 0
         peaks[save], losses[save] = result.peak_bytes, result.losses
-        predicted[save] = (
-            AnalyticalEstimator()
-            .estimate(
-                spec.model_config,
-                spec.config,
-                seq_len=spec.seq_len,
-                global_batch_size=spec.global_batch_size,
-            )
-            .peak_bytes
-        )
     for save in SAVES:
         assert losses[save] == losses["none"]
         measured_extra = peaks[save] - peaks["none"]

@@ -11,9 +11,7 @@ import torch
 from torch import nn
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-from autotune.estimator.analytical import AnalyticalEstimator
-from autotune.runner import SubprocessRunner
-from tests.conftest import TINY, tiny_spec
+from tests.conftest import TINY, measured_and_predicted, tiny_spec
 from trials.build import build_model
 from trials.techniques import REGISTRY
 from trials.techniques.base import Run
@@ -110,18 +108,7 @@ def test_a_real_trial_saves_what_the_estimator_says(tmp_path: Path) -> None:
     results, predicted = {}, {}
     for ce in ("full", "chunked"):
         spec = tiny_spec({"cross_entropy": ce}, measured_steps=2)
-        results[ce] = SubprocessRunner(tmp_path / ce, timeout_s=600).run(spec, ce)
-        assert results[ce].status == "ok", results[ce].error + results[ce].stderr_tail
-        predicted[ce] = (
-            AnalyticalEstimator()
-            .estimate(
-                spec.model_config,
-                spec.config,
-                seq_len=spec.seq_len,
-                global_batch_size=spec.global_batch_size,
-            )
-            .peak_bytes
-        )
+        results[ce], predicted[ce] = measured_and_predicted(spec, tmp_path / ce)
     full, chunked = results["full"], results["chunked"]
     assert chunked.losses == pytest.approx(full.losses, rel=1e-5)
     measured_saving = full.peak_bytes - chunked.peak_bytes

@@ -10,10 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from autotune.estimator.analytical import AnalyticalEstimator
 from autotune.models import REGISTRY as MODELS
-from autotune.runner import SubprocessRunner
-from tests.conftest import tiny_spec
+from tests.conftest import measured_and_predicted, tiny_spec
 from trials.techniques import fidelity_class
 from trials.techniques.base import Run
 from trials.zero import deepspeed_config
@@ -57,19 +55,7 @@ def test_a_real_trial_keeps_bf16_states_and_peaks_as_estimated(
             nproc=nproc,
             measured_steps=1,
         )
-        results[name] = SubprocessRunner(tmp_path / name, timeout_s=600).run(spec, name)
-        assert results[name].status == "ok", results[name].error + results[name].stderr_tail
-        predicted[name] = (
-            AnalyticalEstimator()
-            .estimate(
-                spec.model_config,
-                spec.config,
-                seq_len=spec.seq_len,
-                global_batch_size=spec.global_batch_size,
-                nproc=nproc,
-            )
-            .peak_bytes
-        )
+        results[name], predicted[name] = measured_and_predicted(spec, tmp_path / name)
     pure, mixed = results["pure"], results["mixed"]
     assert pure.peak_bytes < mixed.peak_bytes
     assert predicted["pure"] == pytest.approx(pure.peak_bytes, rel=0.05)
