@@ -17,7 +17,8 @@ import os
 import weakref
 from abc import ABC, abstractmethod
 from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from types import TracebackType
 from typing import Any
 
@@ -26,6 +27,28 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from trials.roles import StorageLedger
+
+#: the active trackers' ways to count new storages as host memory, innermost last: where the
+#: CPU plays the device (this module's tracker, the traced estimator's), a copy "to the host" is
+#: a copy on the same CPU that only the tracker can tell apart
+_host_scopes: list[Callable[[], AbstractContextManager[Any]]] = []
+
+
+@contextmanager
+def host_scope(scope: Callable[[], AbstractContextManager[Any]]) -> Iterator[None]:
+    """While active, ``host_memory()`` enters ``scope()`` (a tracker registers itself)."""
+    _host_scopes.append(scope)
+    try:
+        yield
+    finally:
+        _host_scopes.remove(scope)
+
+
+def host_memory() -> AbstractContextManager[Any]:
+    """A context in which new CPU storages are host memory to the active tracker (what a
+    technique that moves tensors to the host allocates them under); nothing when no tracker
+    plays the device on the CPU (on a GPU, host tensors are not on the device anyway)."""
+    return _host_scopes[-1]() if _host_scopes else nullcontext()
 
 
 class MemoryMonitor(ABC):
@@ -191,6 +214,7 @@ class CpuMemoryMonitor(MemoryMonitor):
         self._deferred = False  # inside deferred_budget(): no online check
         self._ledger = StorageLedger()  # each storage's life on the timeline and its role
         self._saved_hooks: Any = None  # autograd's saved-tensor hooks: what backward keeps
+        self._scope: Any = None  # host_memory() answers with host_allocations() meanwhile
 
     def _track(self, t: torch.Tensor) -> None:
         if self._paused or t.device.type != "cpu" or t.is_meta:
@@ -336,10 +360,13 @@ class CpuMemoryMonitor(MemoryMonitor):
         self._saved_hooks.__enter__()
         self._mode = _LiveStorageCounter(self)
         self._mode.__enter__()
+        self._scope = host_scope(self.host_allocations)
+        self._scope.__enter__()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:  # type: ignore[no-untyped-def]
         assert self._mode is not None
+        self._scope.__exit__(exc_type, exc, tb)
         self._mode.__exit__(exc_type, exc, tb)
         self._mode = None
         self._saved_hooks.__exit__(exc_type, exc, tb)

@@ -33,6 +33,7 @@ from autotune.estimator.gpus import GpuSpec
 from autotune.estimator.speed import roofline
 from autotune.estimator.states import deepspeed_states, estimator_states, zero_states_at
 from autotune.models import stats_of
+from trials.techniques.activation_offload import offloads_activations
 from trials.techniques.cross_entropy import loss_tokens
 from trials.techniques.micro_batch import micro_and_accumulation
 
@@ -99,6 +100,20 @@ class AnalyticalEstimator(Estimator):
         acts = kept + head_acts
         cache_in_fwd = weight_cache
         cache_in_bwd = 0 if every == 1 else weight_cache * (layers - n_ckpt) // max(1, layers)
+        bwd_layers = n_ckpt * stream + recompute
+        host_acts = 0
+        if offloads_activations(config):
+            # what the layers save goes to the host, up to the output layer (with the final
+            # norm's fp32 input and normalised output; the head's input stays), and backward
+            # brings one layer back at a time (with its recompute); per-op checkpointing's saved
+            # ops stay in the checkpoint's own store, and autocast's cast cache still holds the
+            # weight copies the layers save (their host copies are extra)
+            saved_ops = n_ckpt * saved_op_bytes(st, config, seq_len, micro)
+            host_acts = kept - saved_ops + 8 * h * tokens
+            if half and not deepspeed and not quantized:
+                host_acts += 2 * layer_linear * (layers - n_ckpt)
+            acts = head_acts - 8 * h * tokens + saved_ops
+            bwd_layers = stream + recompute
         grads_before = grads if accum > 1 else 0
         largest = st.largest_param
         step_temps = 2 * 4 * largest if not deepspeed else 0
@@ -106,7 +121,7 @@ class AnalyticalEstimator(Estimator):
         moments = {
             "end of forward": (grads_before, acts + cache_in_fwd, fwd_logits, 0),
             "start of backward": (grads_before, acts + cache_in_bwd, bwd_logits, 0),
-            "end of backward": (grads, n_ckpt * stream + recompute, 0, 0),
+            "end of backward": (grads, bwd_layers, 0, 0),
             "optimizer step": (grads, 0, 0, step_temps),
         }
         peak, where, breakdown = -1, "", {k: 0 for k in PARTS}
@@ -120,9 +135,11 @@ class AnalyticalEstimator(Estimator):
                 peak, where = total, name
                 breakdown = {**held, "activations": a, "logits/loss": lg}
         notes = [f"peak at {where}", *states.notes]
-        est = Estimate(
-            int(peak), breakdown, method=self.name, notes=notes, host_breakdown=states.host
-        )
+        host = dict(states.host)
+        if host_acts:  # per host: each of its ranks offloads its own
+            host["activations"] = host_acts * max(1, nproc // (gpu.nodes if gpu else 1))
+            notes.append("activations offloaded to host memory up to the output layer")
+        est = Estimate(int(peak), breakdown, method=self.name, notes=notes, host_breakdown=host)
         if gpu is not None:
-            roofline(est, model_config, config, seq_len, global_batch_size, nproc, gpu)
+            roofline(est, model_config, config, seq_len, global_batch_size, nproc, gpu, host_acts)
         return est

@@ -28,7 +28,9 @@ an efficiency, whichever is slower (a roofline per op class):
 * **CPU offload** (ZeRO-Offload): 16-bit gradients to the host over PCIe (overlapped with
   backward), the CPU-Adam step bounded by the host's memory bandwidth (about 30 bytes per
   parameter), the updated 16-bit weights back over PCIe; ``offload_param`` brings each layer's
-  weights up over PCIe in forward and backward, prefetched.
+  weights up over PCIe in forward and backward, prefetched. Offloaded activations cross PCIe
+  twice per micro-batch (to the host in forward, back in backward), not overlapped: the copies
+  run on the compute stream, as ``save_on_cpu`` and the trial job's hooks make them.
 * **QLoRA/LoRA**: int8/nf4 weights are dequantised to 16 bits before every use (forward and
   backward), a memory-bound pass over the quantized weights each time.
 
@@ -105,6 +107,7 @@ def step_time(
     nproc: int,
     gpu: GpuSpec,
     layer_act_bytes: int,
+    offloaded_activations: int = 0,
 ) -> StepTime:
     """The roofline of one step (``global_batch_size`` sequences per GPU)."""
     precision = str(config.get("precision", "fp32"))
@@ -195,6 +198,8 @@ def step_time(
     if off_param:
         fetch = wbytes * shard / pcie
         comm_micro_exposed += max(0.0, fetch - fwd_all) + max(0.0, fetch - bwd)
+    # offloaded activations: out in forward, back in backward, on the compute stream
+    offload += accum * 2 * offloaded_activations / pcie
 
     # --- optimizer step on the device -------------------------------------------------------------
     step_bytes = OPTIMIZER_STEP_BYTES.get(optimizer, 28)
@@ -229,14 +234,18 @@ def roofline(
     global_batch_size: int,
     nproc: int,
     gpu: GpuSpec,
+    offloaded_activations: int = 0,
     layer_act_bytes: int | None = None,
 ) -> Estimate:
-    """Fill ``est.step_time_s`` and ``est.tokens_per_s`` (all GPUs) for ``gpu``."""
+    """Fill ``est.step_time_s`` and ``est.tokens_per_s`` (all GPUs) for ``gpu``;
+    ``offloaded_activations``: bytes per micro-batch one rank moves to the host and back."""
     st = stats_of(model_cfg)
     micro = int(config.get("micro_batch_size", global_batch_size))
     if layer_act_bytes is None:
         layer_act_bytes = layer_activation_bytes(st, config, seq_len, micro)
-    t = step_time(st, config, seq_len, global_batch_size, nproc, gpu, layer_act_bytes)
+    t = step_time(
+        st, config, seq_len, global_batch_size, nproc, gpu, layer_act_bytes, offloaded_activations
+    )
     est.step_time_s = t.total
     est.tokens_per_s = global_batch_size * seq_len * max(1, nproc) / t.total
     est.gpu = gpu.name

@@ -35,10 +35,14 @@ from autotune.estimator.gpus import GpuSpec
 from autotune.estimator.speed import roofline
 from autotune.estimator.states import deepspeed_states, estimator_states, zero_states_at
 from autotune.models import stats_of
+from trials.memory import host_scope
 from trials.techniques import OPTIMIZERS, PRECISIONS, REGISTRY
 from trials.techniques.micro_batch import micro_and_accumulation
 
-CACHE_VERSION = 3
+#: the tag of storages made in host memory (offloaded activations): not on the traced device
+HOST = "host"
+
+CACHE_VERSION = 4
 #: kernels that can't be built here, traced as one that keeps the same tensors for backward
 #: (flash-attn and sdpa's flash kernel both keep q, k, v, the output and the log-sum-exp)
 TRACED_ATTENTION = {"flash_attention_2": "sdpa"}
@@ -63,6 +67,18 @@ class PhaseTracker(TorchDispatchMode):
         self.total = 0
         self.peak = 0
         self._tag: dict[int, tuple[str, int]] = {}
+        self._host_births = False  # inside host_allocations(): new storages are host memory
+        self.host_live = 0
+        self.host_peak = 0
+
+    @contextmanager
+    def host_allocations(self) -> Iterator[None]:
+        """New storages are host memory (offloaded activations), not on the traced device."""
+        previous, self._host_births = self._host_births, True
+        try:
+            yield
+        finally:
+            self._host_births = previous
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
@@ -81,6 +97,12 @@ class PhaseTracker(TorchDispatchMode):
         if key in self._tag:
             return
         nbytes = storage.nbytes()
+        if self._host_births:
+            self._tag[key] = (HOST, nbytes)
+            self.host_live += nbytes
+            self.host_peak = max(self.host_peak, self.host_live)
+            weakref.finalize(storage, self._release, key)
+            return
         self._tag[key] = (tag, nbytes)
         self.live[tag] = self.live.get(tag, 0) + nbytes
         self.total += nbytes
@@ -100,6 +122,9 @@ class PhaseTracker(TorchDispatchMode):
 
     def _release(self, key: int) -> None:
         tag, nbytes = self._tag.pop(key)
+        if tag == HOST:
+            self.host_live -= nbytes
+            return
         self.live[tag] -= nbytes
         self.total -= nbytes
 
@@ -223,7 +248,11 @@ def trace_step(
     opt_name = str(config.get("optimizer", "adamw"))
     vocab = int(model_config["vocab_size"])
     tracker = PhaseTracker()
-    with FakeTensorMode(allow_non_fake_inputs=True), tracker:
+    with (
+        FakeTensorMode(allow_non_fake_inputs=True),
+        tracker,
+        host_scope(tracker.host_allocations),
+    ):
         attention = str(config.get("attention", "sdpa"))
         # DeepSpeed's engine runs the model in 16 bits: build it so (``model.to(dtype)`` can't
         # swap parameters under fake tensors)
@@ -288,6 +317,7 @@ def trace_step(
         del model, optimizer
     parts = {k: max(0, tracker.at_peak.get(k, 0)) for k in PARTS}
     parts["peak"] = tracker.peak
+    parts["host_activations"] = tracker.host_peak
     parts["eager_fallback"] = fallback
     return parts
 
@@ -402,11 +432,14 @@ class TracedEstimator(Estimator):
             breakdown["activations"] -= cut
             peak -= cut
             notes.append("16-bit copies of the (frozen, quantized) base weights removed")
-        est = Estimate(
-            int(peak), breakdown, method=self.name, notes=notes, host_breakdown=states.host
-        )
+        host = dict(states.host)
+        offloaded = parts.get("host_activations", 0)
+        if offloaded:  # per host: each of its ranks offloads its own
+            host["activations"] = offloaded * max(1, nproc // (gpu.nodes if gpu else 1))
+            notes.append("activations offloaded to host memory up to the output layer")
+        est = Estimate(int(peak), breakdown, method=self.name, notes=notes, host_breakdown=host)
         if gpu is not None:
-            roofline(est, model_config, config, seq_len, global_batch_size, nproc, gpu)
+            roofline(est, model_config, config, seq_len, global_batch_size, nproc, gpu, offloaded)
         return est
 
 

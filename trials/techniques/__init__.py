@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from trials.techniques import (
+    activation_offload,
     allocator,
     attention,
     buckets,
@@ -152,6 +153,7 @@ class Registry:
 _BUILT_IN: list[Technique] = [
     checkpointing.TECHNIQUE,
     cross_entropy.TECHNIQUE,
+    activation_offload.TECHNIQUE,
     precision.TECHNIQUE,
     attention.TECHNIQUE,
     optimizer.TECHNIQUE,
