@@ -99,6 +99,7 @@ def test_built_in_tables_are_the_ones_the_modules_replaced() -> None:
         "checkpoint_every",
         "checkpoint_save",
         "cross_entropy",
+        "activation_offload",
         "precision",
         "master_weights",
         "attention",
@@ -119,6 +120,7 @@ def test_built_in_tables_are_the_ones_the_modules_replaced() -> None:
     assert REGISTRY.baseline() == {
         "gradient_checkpointing": "off",
         "cross_entropy": "full",
+        "activation_offload": "none",
         "precision": "fp32",
         "master_weights": "fp32",
         "attention": "sdpa",
@@ -132,6 +134,7 @@ def test_built_in_tables_are_the_ones_the_modules_replaced() -> None:
         "micro_batch_size",
         "gradient_checkpointing",
         "checkpoint_save",
+        "activation_offload",
         "master_weights",
         "offload_optimizer",
         "offload_param",
@@ -146,7 +149,7 @@ def test_built_in_tables_are_the_ones_the_modules_replaced() -> None:
         "quantization",
     )
     families = [t.family for t in REGISTRY]
-    assert len(families) == len(set(families)) == 11
+    assert len(families) == len(set(families)) == 12
 
 
 def test_a_dimension_belongs_to_one_technique(toy: ToyPad) -> None:
