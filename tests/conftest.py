@@ -72,6 +72,22 @@ def measured_and_predicted(spec: TrialSpec, folder: Path) -> tuple[TrialResult, 
     return result, predicted.peak_bytes
 
 
+def tiny_loss_and_grads(config: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    """One forward and backward of tiny-llama (seed 5, a fixed 2 x 32 batch) with the
+    registry's techniques applied for ``config``: its loss and every parameter's gradient."""
+    import torch
+
+    from trials.build import build_model
+    from trials.techniques import REGISTRY as TECHNIQUES
+
+    model = TECHNIQUES.apply(build_model(TINY, "sdpa", seed=5), config, "cpu")
+    model.train()
+    ids = torch.randint(0, TINY["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(2))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters()}
+
+
 def cli(*args: str, cwd: Path | None = None) -> Result:
     """Invoke the real click command in-process (trial jobs still run as subprocesses)."""
     return CliRunner().invoke(main, list(args), catch_exceptions=False)

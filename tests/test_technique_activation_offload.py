@@ -14,8 +14,7 @@ from autotune.estimator.analytical import AnalyticalEstimator
 from autotune.estimator.gpus import GB, GPUS
 from autotune.estimator.speed import PCIE_EFFICIENCY
 from autotune.estimator.traced import TracedEstimator
-from tests.conftest import TINY, measured_and_predicted, tiny_spec
-from trials.build import build_model
+from tests.conftest import TINY, measured_and_predicted, tiny_loss_and_grads, tiny_spec
 from trials.job import run_trial
 from trials.techniques import REGISTRY
 from trials.techniques.base import Run
@@ -25,19 +24,10 @@ EVERY_2 = {"gradient_checkpointing": "selective", "checkpoint_every": 2}
 OFF = {"activation_offload": "cpu"}
 
 
-def _loss_and_grads(config: dict) -> tuple[float, dict[str, torch.Tensor]]:
-    model = REGISTRY.apply(build_model(TINY, "sdpa", seed=5), config, "cpu")
-    model.train()
-    ids = torch.randint(0, TINY["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(2))
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    return loss.item(), {n: p.grad for n, p in model.named_parameters()}
-
-
 @pytest.mark.parametrize("checkpointing", [FULL, EVERY_2], ids=["full", "every-2"])
 def test_the_same_loss_and_gradients_as_keeping_them(checkpointing: dict) -> None:
-    plain_loss, plain = _loss_and_grads(checkpointing)
-    loss, grads = _loss_and_grads({**checkpointing, **OFF})
+    plain_loss, plain = tiny_loss_and_grads(checkpointing)
+    loss, grads = tiny_loss_and_grads({**checkpointing, **OFF})
     assert loss == plain_loss
     for name, grad in grads.items():
         assert torch.equal(grad, plain[name]), name

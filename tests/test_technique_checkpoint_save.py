@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import TINY, measured_and_predicted, tiny_spec
-from trials.build import build_model
+from tests.conftest import measured_and_predicted, tiny_loss_and_grads, tiny_spec
 from trials.techniques import REGISTRY
 from trials.techniques.base import Run
 from trials.techniques.checkpointing import SAVED_OPS, checkpoint_kwargs
@@ -18,19 +17,10 @@ from trials.techniques.checkpointing import SAVED_OPS, checkpoint_kwargs
 SAVES = ("attention", "matmuls")
 
 
-def _loss_and_grads(config: dict) -> tuple[float, dict[str, torch.Tensor]]:
-    model = REGISTRY.apply(build_model(TINY, "sdpa", seed=5), config, "cpu")
-    model.train()
-    ids = torch.randint(0, TINY["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(2))
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    return loss.item(), {n: p.grad for n, p in model.named_parameters()}
-
-
 @pytest.mark.parametrize("save", SAVES)
 def test_the_same_loss_and_gradients_as_plain_checkpointing(save: str) -> None:
-    plain_loss, plain = _loss_and_grads({"gradient_checkpointing": "full"})
-    loss, grads = _loss_and_grads({"gradient_checkpointing": "full", "checkpoint_save": save})
+    plain_loss, plain = tiny_loss_and_grads({"gradient_checkpointing": "full"})
+    loss, grads = tiny_loss_and_grads({"gradient_checkpointing": "full", "checkpoint_save": save})
     assert loss == pytest.approx(plain_loss, rel=1e-6)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, plain[name])
