@@ -54,7 +54,9 @@ def _copy_to_host(t: torch.Tensor) -> _Saved:
 
     pinned = t.device.type == "cuda"
     with torch.no_grad(), host_memory():
-        host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=pinned)
+        # the same strides (a transposed weight stays transposed): backward then runs the same
+        # kernels on it, so even 16-bit gradients come out bit for bit (torchtune's rule)
+        host = torch.empty_like(t, device="cpu", pin_memory=pinned)
         host.copy_(t, non_blocking=pinned)
     return _Saved(t.device, host)
 
