@@ -210,14 +210,17 @@ def test_a_space_without_an_exact_configuration_has_no_reference(tmp_path: Path)
 def test_allow_restricts_the_searched_classes() -> None:
     gpu = Hardware("cuda", (9, 0), 1, has_flash_attn=True, has_bitsandbytes=True, has_peft=True)
     space = SearchSpace.load()
-    default = space.resolve(16, gpu, classes_up_to("other_optimizer"))
+    # a global batch of 2 (micro-batches 1 and 2): the classes do not depend on the batch, and
+    # the GPU grid at 16 is about a million configurations (minutes to enumerate four times)
+    gbs = 2
+    default = space.resolve(gbs, gpu, classes_up_to("other_optimizer"))
     classes = {fidelity_class(c) for c in default.grid()}
     assert classes == {"exact", "mixed", "reduced_state", "other_optimizer"}
     assert any("quantization=nf4: fidelity class adapters" in d for d in default.dropped)
-    mixed = space.resolve(16, gpu, classes_up_to("mixed"))
+    mixed = space.resolve(gbs, gpu, classes_up_to("mixed"))
     assert {fidelity_class(c) for c in mixed.grid()} == {"exact", "mixed"}
-    assert {fidelity_class(c) for c in space.resolve(16, gpu, ("exact",)).grid()} == {"exact"}
-    everything = space.resolve(16, gpu, classes_up_to("adapters"))
+    assert {fidelity_class(c) for c in space.resolve(gbs, gpu, ("exact",)).grid()} == {"exact"}
+    everything = space.resolve(gbs, gpu, classes_up_to("adapters"))
     assert "adapters" in {fidelity_class(c) for c in everything.grid()}
 
 
