@@ -31,7 +31,12 @@ from autotune.estimator.activations import layer_activation_bytes, saved_op_byte
 from autotune.estimator.base import PARTS, Estimate, Estimator
 from autotune.estimator.gpus import GpuSpec
 from autotune.estimator.speed import roofline
-from autotune.estimator.states import deepspeed_states, estimator_states, zero_states_at
+from autotune.estimator.states import (
+    deepspeed_states,
+    estimator_states,
+    host_with_activations,
+    zero_states_at,
+)
 from autotune.models import stats_of
 from trials.techniques.activation_offload import offloads_activations
 from trials.techniques.cross_entropy import loss_tokens
@@ -135,10 +140,7 @@ class AnalyticalEstimator(Estimator):
                 peak, where = total, name
                 breakdown = {**held, "activations": a, "logits/loss": lg}
         notes = [f"peak at {where}", *states.notes]
-        host = dict(states.host)
-        if host_acts:  # per host: each of its ranks offloads its own
-            host["activations"] = host_acts * max(1, nproc // (gpu.nodes if gpu else 1))
-            notes.append("activations offloaded to host memory up to the output layer")
+        host = host_with_activations(states.host, host_acts, nproc, gpu, notes)
         est = Estimate(int(peak), breakdown, method=self.name, notes=notes, host_breakdown=host)
         if gpu is not None:
             roofline(est, model_config, config, seq_len, global_batch_size, nproc, gpu, host_acts)

@@ -456,6 +456,17 @@ def estimator_states(
     )
 
 
+def host_with_activations(
+    host: dict[str, int], per_rank: int, nproc: int, gpu: GpuSpec | None, notes: list[str]
+) -> dict[str, int]:
+    """``host`` (per machine) plus the activations each of its ranks offloads (``per_rank``
+    bytes), noted in ``notes``; both estimators count them so."""
+    if not per_rank:
+        return dict(host)
+    notes.append("activations offloaded to host memory up to the output layer")
+    return {**host, "activations": per_rank * max(1, nproc // (gpu.nodes if gpu else 1))}
+
+
 #: (id of ModelStats, LoRA rank) -> (quantized params, LoRA shapes); see ``_STATE_BYTES``
 _LORA: dict[tuple[int, int], tuple[int, tuple[Shape, ...], int, int]] = {}
 

@@ -33,7 +33,12 @@ from torch.utils._pytree import tree_flatten
 from autotune.estimator.base import PARTS, Estimate, Estimator
 from autotune.estimator.gpus import GpuSpec
 from autotune.estimator.speed import roofline
-from autotune.estimator.states import deepspeed_states, estimator_states, zero_states_at
+from autotune.estimator.states import (
+    deepspeed_states,
+    estimator_states,
+    host_with_activations,
+    zero_states_at,
+)
 from autotune.models import stats_of
 from trials.memory import host_scope
 from trials.techniques import OPTIMIZERS, PRECISIONS, REGISTRY
@@ -432,11 +437,8 @@ class TracedEstimator(Estimator):
             breakdown["activations"] -= cut
             peak -= cut
             notes.append("16-bit copies of the (frozen, quantized) base weights removed")
-        host = dict(states.host)
         offloaded = parts.get("host_activations", 0)
-        if offloaded:  # per host: each of its ranks offloads its own
-            host["activations"] = offloaded * max(1, nproc // (gpu.nodes if gpu else 1))
-            notes.append("activations offloaded to host memory up to the output layer")
+        host = host_with_activations(states.host, offloaded, nproc, gpu, notes)
         est = Estimate(int(peak), breakdown, method=self.name, notes=notes, host_breakdown=host)
         if gpu is not None:
             roofline(est, model_config, config, seq_len, global_batch_size, nproc, gpu, offloaded)
