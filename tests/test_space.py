@@ -1,3 +1,4 @@
+import random
 from pathlib import Path
 
 import optuna
@@ -72,6 +73,22 @@ def test_grid_respects_conditions_and_rules() -> None:
     fp32 = (1 + 18 + 72 + 48) + 2 * (1 + 9 + 36 + 24)
     bf16 = fp32 + 3 * (9 + 36 + 24)
     assert len(grid) == (1 + 3 + 3) * 2 * (5 + 4) * (fp32 + bf16)
+
+
+def test_grid_is_what_sampling_reaches() -> None:
+    """The grid against ``sample`` (what Optuna's trials go through): every grid configuration
+    is reproduced by sampling its own parameters, and random sampling never leaves the grid."""
+    space = SearchSpace.load().resolve(16, H100).restrict(("exact", "mixed"))
+    grid = space.grid()
+    as_set = {tuple(sorted(c.items())) for c in grid}
+    assert len(as_set) == len(grid) > 1000
+    for c in grid[::97]:
+        params = space.params_for(c)
+        assert space.sample(lambda name, _choices, p=params: p[name]) == c
+    rng = random.Random(3)
+    for _ in range(2000):
+        drawn = space.sample(lambda _name, choices: rng.choice(choices))
+        assert tuple(sorted(drawn.items())) in as_set
 
 
 def test_optuna_never_samples_forbidden_combinations() -> None:
