@@ -11,6 +11,9 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 RUN_ARGS ?= --model tiny-llama --budget 300MB --trials 12
+# two test processes, a file to each at a time, longest files first (tests/conftest.py); the
+# tests' torch runs one thread per process (tests/conftest.py sets OMP_NUM_THREADS)
+PARALLEL ?= -n 2 --dist loadfile --no-loadscope-reorder
 
 .PHONY: run test test-fast test-slow lint services mutation
 
@@ -37,13 +40,13 @@ lint: $(VENV)/.installed
 	$(VENV)/bin/mypy
 
 test: $(VENV)/.installed services lint
-	$(PY) -m pytest --durations=15
+	$(PY) -m pytest $(PARALLEL) --durations=15
 
 test-fast: $(VENV)/.installed services
-	$(PY) -m pytest -m 'not slow'
+	$(PY) -m pytest $(PARALLEL) -m 'not slow'
 
 test-slow: $(VENV)/.installed services
-	$(PY) -m pytest -m slow
+	$(PY) -m pytest $(PARALLEL) -m slow
 
 mutation: $(VENV)/.installed
 	$(PY) scripts/mutation.py

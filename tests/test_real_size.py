@@ -239,11 +239,14 @@ def test_one_rank_oom_stops_the_trial(tmp_path: Path) -> None:
     )
     spec.rank_budget_bytes = {"1": 40 * MIB}  # only rank 1 runs out
     start = time.monotonic()
-    result = SubprocessRunner(tmp_path, timeout_s=600).run(spec, "t")
+    timeout = 600
+    result = SubprocessRunner(tmp_path, timeout_s=timeout).run(spec, "t")
     took = time.monotonic() - start
     assert result.status == "oom", result.error + result.stderr_tail
     assert result.oom_rank == 1 and "rank 1" in result.error
-    assert took < 120  # not the trial timeout: the other rank was stopped
+    # not the trial timeout: the other rank was stopped (about 30 s on an idle 2-core machine,
+    # 133 s beside another test's trials)
+    assert took < timeout / 2
 
 
 def test_merge_keeps_the_oom_of_a_stopped_world() -> None:

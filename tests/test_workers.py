@@ -190,8 +190,12 @@ def test_a_worker_killed_mid_trial_is_failed_and_retried_by_another(
             text=True,
         )
 
+    # one storage (one connection pool) for the polling below: a study loaded from the URL on
+    # each poll opens a new pool each time, and a slow start exhausted the server's connections
+    study = optuna.load_study(study_name=name, storage=optuna.storages.RDBStorage(postgres_url))
+
     def trials() -> list[optuna.trial.FrozenTrial]:
-        return optuna.load_study(study_name=name, storage=postgres_url).get_trials()
+        return study.get_trials()
 
     a = start(2)
     deadline = time.monotonic() + 300
