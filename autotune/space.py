@@ -21,6 +21,7 @@ from autotune.errors import UserError
 from autotune.hardware import Hardware, dimension_unavailable_reason, unavailable_reason
 from autotune.yaml_limits import load_yaml, parse_yaml
 from trials.techniques import FIDELITY_CLASSES, REGISTRY, Choice, choice_fidelity
+from trials.techniques.micro_batch import MICRO_BATCH
 
 __all__ = ["Choice", "Dimension", "Rule", "SearchSpace"]
 
@@ -184,7 +185,9 @@ class SearchSpace:
         # (reference_config); it is left out so the stored space reloads
         kept = {d.name: d.choices for d in dims}
         reference = {k: v for k, v in self.reference.items() if v in kept[k]}
-        return SearchSpace(dims, _rules_within(self.rules, dims), reference, self.source, dropped)
+        rules = _rules_within(self.rules, dims)
+        rules += _whole_batch_rules(dims, global_batch_size, self.source)
+        return SearchSpace(dims, rules, reference, self.source, dropped)
 
     def has_exact(self) -> bool:
         """Whether some configuration of the space is exact (every dimension has an exact
@@ -316,6 +319,36 @@ def _rules_within(rules: list[Rule], dims: list[Dimension]) -> list[Rule]:
         if forbidden and all(conditions.values()):
             out.append(Rule(conditions, rule.target, forbidden))
     return out
+
+
+def _whole_batch_rules(dims: list[Dimension], global_batch_size: int, source: str) -> list[Rule]:
+    """The choices that can't run with gradient accumulation (``Knob.whole_batch_only``)
+    forbidden with every micro-batch smaller than the global batch: a rule on whichever of the
+    two dimensions is declared later, as a YAML rule would be."""
+    order = [d.name for d in dims]
+    if MICRO_BATCH not in order:
+        return []  # no micro-batch dimension: the whole batch in one step
+    micro = dims[order.index(MICRO_BATCH)]
+    accumulating = tuple(c for c in micro.choices if c != global_batch_size)
+    rules = []
+    for d in dims:
+        knob = REGISTRY.knob(d.name)
+        banned = tuple(c for c in d.choices if knob is not None and c in knob.whole_batch_only)
+        if not banned or not accumulating:
+            continue
+        if order.index(d.name) > order.index(MICRO_BATCH):
+            rule = Rule({MICRO_BATCH: accumulating}, d.name, banned)
+        else:
+            rule = Rule({d.name: banned}, MICRO_BATCH, accumulating)
+        target = dims[order.index(rule.target)]
+        if set(target.choices) <= set(rule.forbidden):
+            raise UserError(
+                f"search space {source}: {d.name}={banned[0]} runs without gradient "
+                f"accumulation only, and no micro_batch_size choice is the global batch "
+                f"({global_batch_size}) for it"
+            )
+        rules.append(rule)
+    return rules
 
 
 def _dimension(param_name: str) -> str:

@@ -70,9 +70,15 @@ def test_grid_respects_conditions_and_rules() -> None:
     # ZeRO settings. fp32: with adamw 1 + 18 + 72 + 48 (stages 0-3), the two other optimizers
     # can't offload the optimizer: 1 + 9 + 36 + 24 each. bf16 adds pure bf16 at stages 1-3
     # where the optimizer is not offloaded: adamw 1 + (9 + 9) + (36 + 36) + (24 + 24) more
+    # The optimizer step in backward adds, without DeepSpeed and only at micro-batch 16 (sdpa):
+    # 3 optimizers x 2 precisions.
     fp32 = (1 + 18 + 72 + 48) + 2 * (1 + 9 + 36 + 24)
     bf16 = fp32 + 3 * (9 + 36 + 24)
-    assert len(grid) == (1 + 3 + 3) * 2 * (5 + 4) * (fp32 + bf16)
+    in_backward = 1 * 3 * 2
+    assert len(grid) == (1 + 3 + 3) * 2 * ((5 + 4) * (fp32 + bf16) + in_backward)
+    for c in grid:
+        if c.get("optimizer_in_backward"):
+            assert c["micro_batch_size"] == 16 and "zero_stage" not in c
 
 
 def test_grid_is_what_sampling_reaches() -> None:
@@ -116,6 +122,7 @@ def test_params_for_round_trips_through_enqueue() -> None:
         "optimizer": "lion",
         "micro_batch_size": 4,
         "quantization": "none",
+        "optimizer_in_backward": False,
         "zero_stage": 3,
         "offload_optimizer": "none",  # lion: DeepSpeed offloads only its own Adam
         "offload_param": "cpu",
@@ -141,6 +148,7 @@ def test_reference_is_exact_and_minimal() -> None:
         "optimizer": "adamw",
         "micro_batch_size": 1,
         "quantization": "none",
+        "optimizer_in_backward": False,
         "zero_stage": 0,
     }
 

@@ -104,6 +104,7 @@ def test_built_in_tables_are_the_ones_the_modules_replaced() -> None:
         "master_weights",
         "attention",
         "optimizer",
+        "optimizer_in_backward",
         "micro_batch_size",
         "zero_stage",
         "offload_optimizer",
@@ -125,6 +126,7 @@ def test_built_in_tables_are_the_ones_the_modules_replaced() -> None:
         "master_weights": "fp32",
         "attention": "sdpa",
         "optimizer": "adamw",
+        "optimizer_in_backward": False,
         "zero_stage": 0,
         "offload_optimizer": "none",
         "offload_param": "none",
@@ -136,6 +138,7 @@ def test_built_in_tables_are_the_ones_the_modules_replaced() -> None:
         "checkpoint_save",
         "activation_offload",
         "master_weights",
+        "optimizer_in_backward",
         "offload_optimizer",
         "offload_param",
         "reduce_bucket_size",
@@ -149,7 +152,7 @@ def test_built_in_tables_are_the_ones_the_modules_replaced() -> None:
         "quantization",
     )
     families = [t.family for t in REGISTRY]
-    assert len(families) == len(set(families)) == 12
+    assert len(families) == len(set(families)) == 13
 
 
 def test_a_dimension_belongs_to_one_technique(toy: ToyPad) -> None:

@@ -23,6 +23,7 @@ from trials.techniques import OPTIMIZERS, PRECISIONS, Run
 from trials.techniques.micro_batch import micro_and_accumulation
 from trials.techniques.offload import offloads_optimizer, offloads_params
 from trials.techniques.optimizer import DS_OPTIMIZERS
+from trials.techniques.optimizer_in_backward import InBackward, steps_in_backward
 from trials.techniques.precision import weight_dtype
 from trials.techniques.zero import runs_deepspeed
 from trials.zero import (
@@ -101,16 +102,34 @@ class TorchEngine(Engine):
         super().__init__(model, spec, device, monitor)
         cfg = spec.config
         self.model = model
+        in_backward = steps_in_backward(cfg)
         if self.world > 1:
             ensure_distributed(spec.backend, deepspeed_comm=False)
-            ids = [device.index] if device.type == "cuda" else None
-            self.model = nn.parallel.DistributedDataParallel(model, device_ids=ids)
+            if not in_backward:  # stepped in backward, each hook reduces its own gradient
+                ids = [device.index] if device.type == "cuda" else None
+                self.model = nn.parallel.DistributedDataParallel(model, device_ids=ids)
         trainable = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = OPTIMIZERS[cfg.get("optimizer", "adamw")].factory(trainable, spec.lr)
-        monitor.tag("parameters", *model.parameters())
+        factory = OPTIMIZERS[cfg.get("optimizer", "adamw")].factory
         precision = PRECISIONS[cfg.get("precision", "fp32")]
         self.autocast_dtype = precision.autocast_dtype
         self.scaler = torch.amp.GradScaler(device.type) if precision.loss_scaling else None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.in_backward: InBackward | None = None
+        if in_backward:
+            if self.accum > 1 or self.scaler is not None:
+                raise ValueError(
+                    "optimizer_in_backward needs the whole batch in one micro-batch and no "
+                    "fp16 loss scaler"
+                )
+            self.in_backward = InBackward(
+                trainable,
+                lambda ps: factory(ps, spec.lr),
+                world=self.world,
+                seen=lambda grad: monitor.tag("gradients", grad),
+            )
+        else:
+            self.optimizer = factory(trainable, spec.lr)
+        monitor.tag("parameters", *model.parameters())
 
     def _autocast(self) -> Any:
         if self.autocast_dtype is None:
@@ -128,6 +147,9 @@ class TorchEngine(Engine):
                 loss.backward()
             total += float(loss.detach())
             del loss
+        if self.optimizer is None:  # stepped in backward, parameter by parameter
+            self.monitor.tag("optimizer_states", *self._state_tensors())
+            return total
         self.monitor.tag("gradients", *(p.grad for p in self.model.parameters()))
         if self.scaler is not None:
             scale = self.scaler.get_scale()
@@ -136,16 +158,24 @@ class TorchEngine(Engine):
             self.skipped += scaler_skipped(scale, self.scaler.get_scale())
         else:
             self.optimizer.step()
-        self.monitor.tag("optimizer_states", *optimizer_state_tensors(self.optimizer))
+        self.monitor.tag("optimizer_states", *self._state_tensors())
         self.optimizer.zero_grad(set_to_none=True)
         return total
+
+    def _state_tensors(self) -> list[torch.Tensor]:
+        if self.in_backward is not None:
+            return self.in_backward.state_tensors()
+        assert self.optimizer is not None
+        return optimizer_state_tensors(self.optimizer)
 
     def breakdown(self, peak: int) -> dict[str, int]:
         """Where the monitor does not attribute storages (CUDA): sizes of the model states,
         the rest of the peak as activations and other."""
         params = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        states = sum(t.numel() * t.element_size() for t in optimizer_state_tensors(self.optimizer))
-        grads = params  # freed by zero_grad; at the peak they exist in full precision
+        states = sum(t.numel() * t.element_size() for t in self._state_tensors())
+        # freed by zero_grad; at the peak they exist in full precision (stepped in backward:
+        # one parameter's at a time)
+        grads = params if self.in_backward is None else 0
         return {
             "parameters": params,
             "gradients": grads,
@@ -184,6 +214,8 @@ class DeepSpeedEngine(Engine):
         import deepspeed
 
         cfg = spec.config
+        if steps_in_backward(cfg):
+            raise ValueError("optimizer_in_backward runs without DeepSpeed, which owns the step")
         ensure_distributed(spec.backend, deepspeed_comm=True)
         self.rank, self.world = world()
         self.ds_config = trial_deepspeed_config(spec)

@@ -20,7 +20,9 @@ eager attention) but counted for the LLaMA decoder as transformers runs it, tens
   chunked cross-entropy T is one slice's tokens (the others' logits never exist at the time).
 
 The peak is the largest of four moments: end of forward, start of backward (logits gradients),
-end of backward (all gradients and the last recomputed layer), optimizer step.
+end of backward (all gradients and the last recomputed layer), optimizer step. With the
+optimizer step in backward no moment holds all gradients: the output layer's step (its gradient
+and step temporaries over every kept activation) and the end of backward replace the step.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from autotune.models import stats_of
 from trials.techniques.activation_offload import offloads_activations
 from trials.techniques.cross_entropy import loss_tokens
 from trials.techniques.micro_batch import micro_and_accumulation
+from trials.techniques.optimizer_in_backward import steps_in_backward
 
 
 class AnalyticalEstimator(Estimator):
@@ -129,6 +132,17 @@ class AnalyticalEstimator(Estimator):
             "end of backward": (grads, bwd_layers, 0, 0),
             "optimizer step": (grads, 0, 0, step_temps),
         }
+        if steps_in_backward(config) and not deepspeed:
+            # each parameter stepped as its gradient completes, and the gradient freed: no
+            # moment holds every gradient. The output layer's (the largest) is stepped first,
+            # once the logits' gradients are gone and every kept activation still is; in the
+            # first layer's backward one MLP matrix's at most; the embedding's after the layers
+            one_grad = min(grads, 4 * largest)
+            matrix = min(one_grad, 4 * h * st.intermediate)
+            del moments["optimizer step"], moments["end of backward"]
+            moments["output layer's step"] = (one_grad, acts + cache_in_bwd, 0, step_temps)
+            moments["first layer's backward"] = (matrix, bwd_layers, 0, 2 * matrix)
+            moments["end of backward"] = (one_grad, 0, 0, step_temps)
         peak, where, breakdown = -1, "", {k: 0 for k in PARTS}
         for name, (g, a, lg, tmp) in moments.items():
             held = {"parameters": params, "gradients": g, "optimizer_states": optim}

@@ -43,11 +43,12 @@ from autotune.models import stats_of
 from trials.memory import host_scope
 from trials.techniques import OPTIMIZERS, PRECISIONS, REGISTRY
 from trials.techniques.micro_batch import micro_and_accumulation
+from trials.techniques.optimizer_in_backward import InBackward, steps_in_backward
 
 #: the tag of storages made in host memory (offloaded activations): not on the traced device
 HOST = "host"
 
-CACHE_VERSION = 4
+CACHE_VERSION = 5
 #: kernels that can't be built here, traced as one that keeps the same tensors for backward
 #: (flash-attn and sdpa's flash kernel both keep q, k, v, the output and the log-sum-exp)
 TRACED_ATTENTION = {"flash_attention_2": "sdpa"}
@@ -299,9 +300,18 @@ def trace_step(
                     tracker.phase = "logits/loss"
 
             head.register_forward_pre_hook(to_logits)
-        optimizer = OPTIMIZERS[FAKE_STEP.get(opt_name, (opt_name,))[0]].factory(
-            model.parameters(), 1e-3
-        )
+        factory = OPTIMIZERS[FAKE_STEP.get(opt_name, (opt_name,))[0]].factory
+        optimizer: torch.optim.Optimizer | None = None
+        if steps_in_backward(config) and not deepspeed:
+
+            def step_in_backward(one: torch.optim.Optimizer) -> None:
+                tracker.phase = "optimizer_states"  # its states are made in the first step
+                _step_optimizer(opt_name, one)
+                tracker.phase = "temporaries"
+
+            InBackward(model.parameters(), lambda ps: factory(ps, 1e-3), step=step_in_backward)
+        else:
+            optimizer = factory(model.parameters(), 1e-3)
         autocast = (
             torch.autocast("cpu", dtype=precision.autocast_dtype)
             if precision.autocast_dtype is not None and not deepspeed
@@ -316,9 +326,10 @@ def trace_step(
                 tracker.phase = "temporaries"
                 loss.backward()
                 del loss, ids
-            tracker.phase = "optimizer_states"
-            _step_optimizer(opt_name, optimizer)
-            optimizer.zero_grad(set_to_none=True)
+            if optimizer is not None:  # else stepped in backward, parameter by parameter
+                tracker.phase = "optimizer_states"
+                _step_optimizer(opt_name, optimizer)
+                optimizer.zero_grad(set_to_none=True)
         del model, optimizer
     parts = {k: max(0, tracker.at_peak.get(k, 0)) for k in PARTS}
     parts["peak"] = tracker.peak

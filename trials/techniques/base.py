@@ -75,6 +75,9 @@ class Knob:
     requires_dimension: Check | None = None
     #: whether a choice can run at this global batch (per process); None: any can
     fits_batch: Callable[[Choice, int], bool] | None = None
+    #: the choices that can't run with gradient accumulation: the space allows them only with
+    #: the micro-batch that is the whole global batch (a rule added when the space is resolved)
+    whole_batch_only: tuple[Choice, ...] = ()
     #: the choices a YAML boolean stands for, (true, false): YAML 1.1 reads a bare ``off`` as
     #: false
     from_bool: tuple[Choice, Choice] | None = None

@@ -9,6 +9,9 @@ from typing import Any
 
 from trials.techniques.base import Choice, Config, Knob, Run, Technique
 
+#: the dimension (a trial config's key)
+MICRO_BATCH = "micro_batch_size"
+
 
 def micro_and_accumulation(
     config: Config, global_batch_size: int, *, strict: bool = True
@@ -16,7 +19,7 @@ def micro_and_accumulation(
     """(micro-batch, accumulation steps) of a config at this global batch (per process); the
     micro-batch defaults to the whole batch and must divide it (``strict=False``, for the
     estimator's what-ifs: at least one accumulation step, the remainder ignored)."""
-    micro = int(config.get("micro_batch_size", global_batch_size))
+    micro = int(config.get(MICRO_BATCH, global_batch_size))
     if not strict and micro >= 1:
         return micro, max(1, global_batch_size // micro)
     if micro < 1 or global_batch_size % micro:
@@ -40,7 +43,7 @@ class MicroBatch(Technique):
     family = "micro_batch"
     knobs = (
         Knob(
-            "micro_batch_size",
+            MICRO_BATCH,
             None,
             baseline_of=_whole_batch,
             memory_order=float,  # a bigger micro-batch keeps more activations
