@@ -70,15 +70,19 @@ def test_grid_respects_conditions_and_rules() -> None:
     # ZeRO settings. fp32: with adamw 1 + 18 + 72 + 48 (stages 0-3), the two other optimizers
     # can't offload the optimizer: 1 + 9 + 36 + 24 each. bf16 adds pure bf16 at stages 1-3
     # where the optimizer is not offloaded: adamw 1 + (9 + 9) + (36 + 36) + (24 + 24) more
-    # The optimizer step in backward adds, without DeepSpeed and only at micro-batch 16 (sdpa):
-    # 3 optimizers x 2 precisions.
+    # FSDP2 instead of ZeRO: 2 precisions x 2 optimizers (AdamW, Lion) x 2 modes x 2 offloads.
+    # The optimizer step in backward adds, without DeepSpeed or FSDP and only at micro-batch 16
+    # (sdpa): 3 optimizers x 2 precisions.
     fp32 = (1 + 18 + 72 + 48) + 2 * (1 + 9 + 36 + 24)
     bf16 = fp32 + 3 * (9 + 36 + 24)
+    fsdp = 2 * 2 * 2 * 2
     in_backward = 1 * 3 * 2
-    assert len(grid) == (1 + 3 + 3) * 2 * ((5 + 4) * (fp32 + bf16) + in_backward)
+    assert len(grid) == (1 + 3 + 3) * 2 * ((5 + 4) * (fp32 + bf16 + fsdp) + in_backward)
     for c in grid:
         if c.get("optimizer_in_backward"):
-            assert c["micro_batch_size"] == 16 and "zero_stage" not in c
+            assert c["micro_batch_size"] == 16 and "zero_stage" not in c and "fsdp" not in c
+        if c.get("fsdp", "off") != "off":
+            assert "zero_stage" not in c and c["optimizer"] in ("adamw", "lion")
 
 
 def test_grid_is_what_sampling_reaches() -> None:
@@ -123,6 +127,7 @@ def test_params_for_round_trips_through_enqueue() -> None:
         "micro_batch_size": 4,
         "quantization": "none",
         "optimizer_in_backward": False,
+        "fsdp": "off",
         "zero_stage": 3,
         "offload_optimizer": "none",  # lion: DeepSpeed offloads only its own Adam
         "offload_param": "cpu",
@@ -149,6 +154,7 @@ def test_reference_is_exact_and_minimal() -> None:
         "micro_batch_size": 1,
         "quantization": "none",
         "optimizer_in_backward": False,
+        "fsdp": "off",
         "zero_stage": 0,
     }
 

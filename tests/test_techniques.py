@@ -106,6 +106,8 @@ def test_built_in_tables_are_the_ones_the_modules_replaced() -> None:
         "optimizer",
         "optimizer_in_backward",
         "micro_batch_size",
+        "fsdp",
+        "fsdp_offload",
         "zero_stage",
         "offload_optimizer",
         "offload_param",
@@ -127,6 +129,8 @@ def test_built_in_tables_are_the_ones_the_modules_replaced() -> None:
         "attention": "sdpa",
         "optimizer": "adamw",
         "optimizer_in_backward": False,
+        "fsdp": "off",
+        "fsdp_offload": "none",
         "zero_stage": 0,
         "offload_optimizer": "none",
         "offload_param": "none",
@@ -139,6 +143,7 @@ def test_built_in_tables_are_the_ones_the_modules_replaced() -> None:
         "activation_offload",
         "master_weights",
         "optimizer_in_backward",
+        "fsdp_offload",
         "offload_optimizer",
         "offload_param",
         "reduce_bucket_size",
@@ -152,7 +157,7 @@ def test_built_in_tables_are_the_ones_the_modules_replaced() -> None:
         "quantization",
     )
     families = [t.family for t in REGISTRY]
-    assert len(families) == len(set(families)) == 13
+    assert len(families) == len(set(families)) == 14
 
 
 def test_a_dimension_belongs_to_one_technique(toy: ToyPad) -> None:

@@ -20,6 +20,7 @@ from trials.cuda import scaler_skipped
 from trials.memory import MemoryMonitor
 from trials.spec import TrialSpec
 from trials.techniques import OPTIMIZERS, PRECISIONS, Run
+from trials.techniques.fsdp import offloads_shards, runs_fsdp, shard
 from trials.techniques.micro_batch import micro_and_accumulation
 from trials.techniques.offload import offloads_optimizer, offloads_params
 from trials.techniques.optimizer import DS_OPTIMIZERS
@@ -48,6 +49,12 @@ def trial_deepspeed_config(spec: TrialSpec) -> dict[str, Any]:
     """The DeepSpeed JSON of this trial (this world's ranks, the spec's micro-batch)."""
     micro, accum = micro_and_accumulation(spec.config, spec.global_batch_size)
     return deepspeed_config(spec.config, Run(micro, accum, world()[1], spec.backend, spec.lr))
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor's self; a DTensor's (FSDP2's shards, their states) local shard."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -103,15 +110,11 @@ class TorchEngine(Engine):
         cfg = spec.config
         self.model = model
         in_backward = steps_in_backward(cfg)
-        if self.world > 1:
-            ensure_distributed(spec.backend, deepspeed_comm=False)
-            if not in_backward:  # stepped in backward, each hook reduces its own gradient
-                ids = [device.index] if device.type == "cuda" else None
-                self.model = nn.parallel.DistributedDataParallel(model, device_ids=ids)
+        self.model = self.wrap(model, in_backward)
         trainable = [p for p in model.parameters() if p.requires_grad]
         factory = OPTIMIZERS[cfg.get("optimizer", "adamw")].factory
         precision = PRECISIONS[cfg.get("precision", "fp32")]
-        self.autocast_dtype = precision.autocast_dtype
+        self.autocast_dtype = None if self.sharded else precision.autocast_dtype
         self.scaler = torch.amp.GradScaler(device.type) if precision.loss_scaling else None
         self.optimizer: torch.optim.Optimizer | None = None
         self.in_backward: InBackward | None = None
@@ -129,7 +132,21 @@ class TorchEngine(Engine):
             )
         else:
             self.optimizer = factory(trainable, spec.lr)
-        monitor.tag("parameters", *model.parameters())
+        monitor.tag("parameters", *(local(p) for p in model.parameters()))
+
+    #: FSDP2 casts the parameters itself (its mixed-precision policy): no autocast on top
+    sharded = False
+
+    def wrap(self, model: nn.Module, in_backward: bool) -> nn.Module:
+        """DistributedDataParallel over several ranks (unless each step-in-backward hook
+        reduces its own gradient)."""
+        if self.world == 1:
+            return model
+        ensure_distributed(self.spec.backend, deepspeed_comm=False)
+        if in_backward:
+            return model
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        return nn.parallel.DistributedDataParallel(model, device_ids=ids)
 
     def _autocast(self) -> Any:
         if self.autocast_dtype is None:
@@ -150,7 +167,9 @@ class TorchEngine(Engine):
         if self.optimizer is None:  # stepped in backward, parameter by parameter
             self.monitor.tag("optimizer_states", *self._state_tensors())
             return total
-        self.monitor.tag("gradients", *(p.grad for p in self.model.parameters()))
+        grads = [local(p.grad) for p in self.model.parameters() if p.grad is not None]
+        self.monitor.tag("gradients", *grads)
+        self.gradients_ready(grads)
         if self.scaler is not None:
             scale = self.scaler.get_scale()
             self.scaler.step(self.optimizer)
@@ -161,6 +180,9 @@ class TorchEngine(Engine):
         self.monitor.tag("optimizer_states", *self._state_tensors())
         self.optimizer.zero_grad(set_to_none=True)
         return total
+
+    def gradients_ready(self, grads: list[torch.Tensor]) -> None:
+        """Called with this step's gradients before the optimizer steps."""
 
     def _state_tensors(self) -> list[torch.Tensor]:
         if self.in_backward is not None:
@@ -182,6 +204,49 @@ class TorchEngine(Engine):
             "optimizer_states": states,
             "activations_and_other": max(0, peak - params - grads - states),
         }
+
+
+class FsdpEngine(TorchEngine):
+    """FSDP2 (``trials.techniques.fsdp``): ``fully_shard`` on each block and the root, the
+    torch loop and optimizer on the sharded (DTensor) parameters. The model is built whole in
+    host memory and sharded onto the device block by block, so the device never holds it whole.
+    On the CPU backend what ``CPUOffloadPolicy`` keeps on the host (the shards, their gradients,
+    the optimizer's states) is counted as host memory."""
+
+    sharded = True
+
+    @classmethod
+    def build(cls, spec: TrialSpec, device: torch.device, monitor: MemoryMonitor) -> nn.Module:
+        with monitor.host_allocations(), torch.device("cpu"):
+            return build_model(spec.model_config, spec.config.get("attention", "sdpa"), spec.seed)
+
+    def wrap(self, model: nn.Module, in_backward: bool) -> nn.Module:
+        if in_backward or self.spec.config.get("precision") == "fp16":
+            raise ValueError("fsdp runs without the optimizer step in backward and without fp16")
+        ensure_distributed(self.spec.backend, deepspeed_comm=False)
+        return shard(model, self.spec.config, self.device, self.world)
+
+    def step(self, tokens: torch.Tensor) -> float:
+        if not offloads_shards(self.spec.config):
+            return super().step(tokens)
+        # the shards' gradients and the optimizer's states appear in the step, before they can
+        # be marked as host memory: the budget is checked on the step's corrected peak
+        with self.monitor.deferred_budget():
+            total = super().step(tokens)
+            self._mark_offloaded(self._state_tensors())
+        return total
+
+    def gradients_ready(self, grads: list[torch.Tensor]) -> None:
+        if offloads_shards(self.spec.config):
+            self._mark_offloaded(grads)
+
+    def _mark_offloaded(self, tensors: list[torch.Tensor]) -> None:
+        if self.device.type == "cpu":  # on CUDA they are host tensors already
+            shards = [local(p) for p in self.model.parameters()]
+            self.monitor.mark_host(*shards, *tensors)
+
+    def _state_tensors(self) -> list[torch.Tensor]:
+        return [local(t) for t in super()._state_tensors()]  # the states' local shards
 
 
 class DeepSpeedEngine(Engine):
@@ -286,8 +351,14 @@ class DeepSpeedEngine(Engine):
         return sizes
 
 
-ENGINES: dict[str, type[Engine]] = {"torch": TorchEngine, "deepspeed": DeepSpeedEngine}
+ENGINES: dict[str, type[Engine]] = {
+    "torch": TorchEngine,
+    "fsdp": FsdpEngine,
+    "deepspeed": DeepSpeedEngine,
+}
 
 
 def engine_for(config: dict[str, Any]) -> str:
+    if runs_fsdp(config):
+        return "fsdp"
     return "deepspeed" if runs_deepspeed(config) else "torch"

@@ -166,13 +166,26 @@ class _LiveStorageCounter(TorchDispatchMode):
         return out
 
 
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2's parameters, gradients and optimizer states): the data
+    this process holds. The DTensor wrapper's own storage is a placeholder of the global size,
+    and the ops on the shard run inside the DTensor's dispatch, where the tracker's mode is off;
+    so the wrapper is counted by its shard's storage. Any other tensor: itself."""
+    if torch.distributed.is_available():
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(t, DTensor):
+            return t.to_local()
+    return t
+
+
 def _storages(
     tensors: tuple[torch.Tensor, ...],
 ) -> Iterator[tuple[int, torch.UntypedStorage]]:
     """(tracking key, storage) of each tensor that has a storage (not a fake or sparse one)."""
     for t in tensors:
         try:
-            storage = t.untyped_storage()
+            storage = local_shard(t).untyped_storage()
         except (NotImplementedError, RuntimeError):
             continue
         yield id(storage), storage
@@ -215,10 +228,14 @@ class CpuMemoryMonitor(MemoryMonitor):
         self._ledger = StorageLedger()  # each storage's life on the timeline and its role
         self._saved_hooks: Any = None  # autograd's saved-tensor hooks: what backward keeps
         self._scope: Any = None  # host_memory() answers with host_allocations() meanwhile
+        #: storage key -> its bytes now, where a resize changed them since its birth
+        self._resized_to: dict[int, int] = {}
+        self._resize: Any = None  # torch.UntypedStorage.resize_ while the monitor is entered
 
     def _track(self, t: torch.Tensor) -> None:
         if self._paused or t.device.type != "cpu" or t.is_meta:
             return
+        t = local_shard(t)
         try:
             storage = t.untyped_storage()
         except (NotImplementedError, RuntimeError):
@@ -245,7 +262,28 @@ class CpuMemoryMonitor(MemoryMonitor):
         self._timeline.append(self._live)
         weakref.finalize(storage, self._release, key, nbytes)
 
+    def _resized(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        """A tracked device storage resized in place (FSDP2 frees the all-gathered parameters
+        with ``resize_(0)`` and allocates them again with ``resize_(n)``: no op the dispatch
+        mode sees): to 0 it dies on the timeline, from 0 it is born again."""
+        key = id(storage)
+        if self._paused or key not in self._seen or key in self._host:
+            return
+        old = self._resized_to.get(key, self._ledger.nbytes(key))
+        if old is None or nbytes == old:
+            return
+        index = len(self._timeline)
+        if old:
+            self._ledger.died(key, index)
+        if nbytes:
+            self._ledger.born(key, index, nbytes)
+        self._resized_to[key] = nbytes
+        self._live += nbytes - old
+        self._peak = max(self._peak, self._live)
+        self._timeline.append(self._live)
+
     def _release(self, key: int, nbytes: int) -> None:
+        nbytes = self._resized_to.pop(key, nbytes)
         self._seen.discard(key)
         self._ledger.died(key, len(self._timeline))
         self._born.pop(key, None)
@@ -362,10 +400,19 @@ class CpuMemoryMonitor(MemoryMonitor):
         self._mode.__enter__()
         self._scope = host_scope(self.host_allocations)
         self._scope.__enter__()
+        resize = self._resize = torch.UntypedStorage.resize_
+
+        def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+            out = resize(storage, size)
+            self._resized(storage, int(size))
+            return out
+
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign,assignment]
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:  # type: ignore[no-untyped-def]
         assert self._mode is not None
+        torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
         self._scope.__exit__(exc_type, exc, tb)
         self._mode.__exit__(exc_type, exc, tb)
         self._mode = None

@@ -45,6 +45,11 @@ class StorageLedger:
         if rec is not None:
             self._died[rec] = index
 
+    def nbytes(self, key: int) -> int | None:
+        """The bytes of a live storage's record (None: not alive here)."""
+        rec = self._record.get(key)
+        return None if rec is None else self._bytes[rec]
+
     def tag(self, key: int, role: str) -> None:
         """Give a live storage a role, unless it has one that takes precedence (or is host)."""
         rec = self._record.get(key)

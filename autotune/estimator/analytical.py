@@ -36,12 +36,14 @@ from autotune.estimator.speed import roofline
 from autotune.estimator.states import (
     deepspeed_states,
     estimator_states,
+    fsdp_held,
     host_with_activations,
     zero_states_at,
 )
 from autotune.models import stats_of
 from trials.techniques.activation_offload import offloads_activations
 from trials.techniques.cross_entropy import loss_tokens
+from trials.techniques.fsdp import runs_fsdp
 from trials.techniques.micro_batch import micro_and_accumulation
 from trials.techniques.optimizer_in_backward import steps_in_backward
 
@@ -65,6 +67,10 @@ class AnalyticalEstimator(Estimator):
         tokens = micro * seq_len
         half = config.get("precision", "fp32") in ("bf16", "fp16")
         deepspeed = deepspeed_states(config)
+        fsdp = runs_fsdp(config)
+        # the model itself in 16 bits (DeepSpeed's engine; FSDP2's mixed-precision policy): no
+        # autocast copies of the weights, a 16-bit residual stream and logits
+        model16 = deepspeed or fsdp
         states = estimator_states(model_config, config, nproc, global_batch_size, gpu)
         params = states.parts["parameters"]
         grads = states.parts["gradients"]
@@ -76,11 +82,11 @@ class AnalyticalEstimator(Estimator):
         quantized = str(config.get("quantization", "none") or "none") != "none"
         # frozen quantized weights are dequantized per use, not kept as 16-bit copies
         cached_params = head_params + (0 if quantized else linear_params)
-        weight_cache = 2 * cached_params if half and not deepspeed else 0
+        weight_cache = 2 * cached_params if half and not model16 else 0
         layer_weight_cache = 2 * layer_linear if half and not quantized else 0
 
         per_layer = layer_activation_bytes(st, config, seq_len, micro)
-        stream = (2 if deepspeed and half else 4) * h * tokens  # a layer's input
+        stream = (2 if model16 and half else 4) * h * tokens  # a layer's input
         ckpt = str(config.get("gradient_checkpointing", "off"))
         every = {"off": 0, "full": 1}.get(ckpt, int(config.get("checkpoint_every", 2)))
         n_ckpt = layers // every if every else 0
@@ -96,7 +102,7 @@ class AnalyticalEstimator(Estimator):
         # its 16-bit logits and the loss's fp32 upcast
         # (chunked cross-entropy: one slice's logits at a time, recomputed in backward)
         logit_tokens = loss_tokens(config, tokens)
-        fwd_logits = (6 if half and deepspeed else 10 if half else 8) * logit_tokens * vocab
+        fwd_logits = (6 if half and model16 else 10 if half else 8) * logit_tokens * vocab
         bwd_logits = 12 * logit_tokens * vocab
         if logit_tokens < tokens:
             # the head's weight is used once per slice: autograd sums its slices' gradients in
@@ -118,7 +124,7 @@ class AnalyticalEstimator(Estimator):
             # weight copies the layers save (their host copies are extra)
             saved_ops = n_ckpt * saved_op_bytes(st, config, seq_len, micro)
             host_acts = kept - saved_ops + 8 * h * tokens
-            if half and not deepspeed and not quantized:
+            if half and not model16 and not quantized:
                 host_acts += 2 * layer_linear * (layers - n_ckpt)
             acts = head_acts - 8 * h * tokens + saved_ops
             bwd_layers = stream + recompute
@@ -143,12 +149,19 @@ class AnalyticalEstimator(Estimator):
             moments["output layer's step"] = (one_grad, acts + cache_in_bwd, 0, step_temps)
             moments["first layer's backward"] = (matrix, bwd_layers, 0, 2 * matrix)
             moments["end of backward"] = (one_grad, 0, 0, step_temps)
+        if fsdp:
+            # the first block's backward (the last recomputed) apart from the root's gradients
+            # reduced at the very end, when no activation is left (``fsdp_held``)
+            moments["first layer's backward"] = (0, bwd_layers, 0, 0)
+            moments["end of backward"] = (0, 0, 0, 0)
         peak, where, breakdown = -1, "", {k: 0 for k in PARTS}
         for name, (g, a, lg, tmp) in moments.items():
             held = {"parameters": params, "gradients": g, "optimizer_states": optim}
             held["temporaries"] = tmp
             if states.phases is not None:  # ZeRO: what DeepSpeed holds in this phase
                 held = zero_states_at(states.phases, name, accum)
+            elif fsdp:  # FSDP2: its shards and what it gathers in this phase
+                held = fsdp_held(st, config, nproc, name, accum, cuda=gpu is not None)
             total = sum(held.values()) + a + lg
             if total > peak:
                 peak, where = total, name

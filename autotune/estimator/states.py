@@ -40,7 +40,9 @@ from typing import Any
 from autotune.estimator.gpus import GpuSpec
 from autotune.models import ModelStats, stats_of
 from trials.techniques import OPTIMIZERS
+from trials.techniques.fsdp import RESHARD, fsdp_mode, offloads_shards, runs_fsdp
 from trials.techniques.micro_batch import micro_and_accumulation
+from trials.techniques.optimizer_in_backward import steps_in_backward
 from trials.techniques.precision import pure_bf16
 from trials.techniques.quantization import (
     EXPERT_WEIGHT_BYTES,
@@ -48,7 +50,7 @@ from trials.techniques.quantization import (
     ROW_SCALE_BYTES,
     WEIGHT_BYTES,
 )
-from trials.techniques.zero import zero_stage
+from trials.techniques.zero import runs_deepspeed, zero_stage
 
 Shape = tuple[int, ...]
 
@@ -216,12 +218,17 @@ def _stage3_knobs(config: dict[str, Any]) -> tuple[int, int, int]:
     return DS_MAX_REUSE_DISTANCE, DS_MAX_LIVE_PARAMS, DS_PREFETCH_PARAMS
 
 
-def _host(offloaded: int, load_copy: int, label: str = "offloaded states") -> dict[str, int]:
+def _host(
+    offloaded: int,
+    load_copy: int,
+    label: str = "offloaded states",
+    factor: float = DS_HOST_BUFFER_FACTOR,
+) -> dict[str, int]:
     """Host RAM: the larger of the offloaded states and the model copies made at load, plus
-    DeepSpeed's buffer factor on it."""
+    DeepSpeed's buffer factor on it (FSDP2 pins the offloaded shards themselves: 1)."""
     base = max(offloaded, load_copy)
     parts = {label: offloaded, "model copy at load": max(0, load_copy - offloaded)}
-    parts["pinned buffers and slack"] = int(base * (DS_HOST_BUFFER_FACTOR - 1))
+    parts["pinned buffers and slack"] = int(base * (factor - 1))
     return {k: int(v) for k, v in parts.items()}
 
 
@@ -258,9 +265,16 @@ def model_states(
         return _quantized(st, config, quant, opt, precision, load_copy)
 
     states = model_optimizer_bytes(st, opt)
+    if runs_fsdp(config):
+        return _fsdp_states(st, config, n, per_host, states, load_copy)
     if stage == 0:
+        grads = 4 * psi
+        if n > 1 and not runs_deepspeed(config) and not steps_in_backward(config):
+            # DistributedDataParallel: its flat buckets, a second copy of every gradient (the
+            # reducer's, torch's default gradient_as_bucket_view=False), from the first backward on
+            grads += 4 * psi
         return ModelStates(
-            {"parameters": 4 * psi, "gradients": 4 * psi, "optimizer_states": states},
+            {"parameters": 4 * psi, "gradients": grads, "optimizer_states": states},
             host=_host(0, load_copy),
         )
 
@@ -433,6 +447,77 @@ def _phases3(
             "temporaries": bucket + adam_step_temporaries(sub, cuda, mbytes),
         }
     return Phases(compute, {}, {}, step)
+
+
+def _fsdp_states(
+    st: ModelStats, config: dict[str, Any], n: int, per_host: int, states: int, load_copy: int
+) -> ModelStates:
+    """FSDP2: fp32 shards of the parameters, their gradients and the optimizer's states, 1/N of
+    each per rank (``fsdp_held`` has what a rank holds besides, moment by moment)."""
+    psi = st.n_params
+    sharded = {"parameters": 4 * psi // n, "gradients": 4 * psi // n, "optimizer_states": 0}
+    sharded["optimizer_states"] = states // n
+    notes = [f"model states: FSDP2 {fsdp_mode(config)} over {n} GPU(s) by formula"]
+    offloaded = 0
+    if offloads_shards(config):
+        offloaded = sum(sharded.values()) * per_host
+        sharded = dict.fromkeys(sharded, 0)
+        notes.append("parameter shards, their gradients and optimizer states in host memory")
+    return ModelStates(
+        sharded, replaces_trace=True, host=_host(offloaded, load_copy, factor=1.0), notes=notes
+    )
+
+
+def fsdp_held(
+    st: ModelStats, config: dict[str, Any], n: int, moment: str, accum: int, cuda: bool
+) -> dict[str, int]:
+    """What an FSDP2 rank holds by role at one moment of a step (``fully_shard`` on each block
+    and the root, torch/distributed/fsdp/_fully_shard): its shards and optimizer states; the
+    root's parameters (embeddings, head, final norm) gathered from the root's forward to the
+    end of backward; a block's gathered for its forward and backward (with the next one
+    prefetched), or, under ``shard_grad_op``, every block's from its forward to its backward;
+    a gathered gradient in the parameters' dtype and its copy in fp32 for the reduce-scatter;
+    the root's reduced at the very end of backward. Offloaded: shards, gradients and states on
+    the host, the step there too."""
+    psi = st.n_params
+    w = 2 if str(config.get("precision", "fp32")) in ("bf16", "fp16") else 4
+    block = st.layer_params
+    root = psi - st.layers * block
+    offloaded = offloads_shards(config)
+    shards = 0 if offloaded else 4 * psi // n
+    optim = (
+        0 if offloaded else model_optimizer_bytes(st, str(config.get("optimizer", "adamw"))) // n
+    )
+    grads_kept = 0 if offloaded or accum == 1 else 4 * psi // n  # reduced each micro-batch
+    # full_shard: each block resharded after its forward, none gathered at the end of forward
+    # or the start of backward; shard_grad_op: every block gathered until its backward
+    blocks_fwd = 0 if RESHARD[fsdp_mode(config)] else st.layers * w * block
+    # the reduce-scatter's fp32 input made from the gathered gradients; on a CPU the copy-in
+    # (``torch.ops.fsdp.chunk_cat``) casts 16-bit gradients to fp32 first, a kernel CUDA fuses
+    cast = 4 if w != 4 and not cuda else 0
+    gathered = w * root
+    held = {"parameters": shards, "gradients": 0, "optimizer_states": optim, "temporaries": 0}
+    if moment == "optimizer step":
+        held["gradients"] = 0 if offloaded else 4 * psi // n
+        biggest = (st.largest_param + n - 1) // n
+        held["temporaries"] = 0 if offloaded else adam_step_temporaries(biggest, cuda)
+    elif moment in ("end of forward", "start of backward"):
+        held["parameters"] += gathered + blocks_fwd
+        head = w * st.vocab * st.hidden if moment == "start of backward" else 0
+        held["gradients"] = grads_kept + head
+    elif moment == "first layer's backward":
+        # the root's gathered parameters and its gradients so far (the head's), every block's
+        # reduced gradient shard, the first block's gathered (and the embedding prefetched)
+        held["parameters"] += gathered + 2 * w * block
+        reduced = 0 if offloaded else 4 * (psi - root) // n
+        held["gradients"] = max(grads_kept, reduced) + w * st.vocab * st.hidden
+        held["temporaries"] = (w + 4 + cast) * block  # its gathered gradient, the fp32 copy
+    else:  # end of backward: the root's gradients reduced
+        held["parameters"] += gathered
+        reduced = 0 if offloaded else 4 * (psi - root) // n
+        held["gradients"] = max(grads_kept, reduced)
+        held["temporaries"] = max((w + 4 + cast) * root, 4 * root + 4 * root // n)
+    return held
 
 
 def estimator_states(

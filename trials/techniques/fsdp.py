@@ -1,0 +1,142 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``): parameters, gradients and optimizer states
+sharded over the ranks, as an engine beside DeepSpeed.
+
+Each decoder block and then the root module are sharded (``fully_shard``, block by block, the
+way torchtune and accelerate wrap transformer layers); a block's parameters are all-gathered
+for its forward and backward. ``full_shard`` frees them again after forward
+(``reshard_after_forward=True``: ZeRO-3's memory, one more all-gather in backward);
+``shard_grad_op`` keeps them gathered until backward (ZeRO-2's). Under bf16 the policy is
+``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``: the blocks compute on bf16
+copies of the fp32 shards, which stay the master weights (the mixed class, as autocast).
+``fsdp_offload: cpu`` is ``CPUOffloadPolicy``: the shards, their gradients and the optimizer's
+states live in host memory and the step runs there. Exact in fp32 (the same sums, reduced in
+another order).
+
+What it excludes, in the space: fp16 (its loss scaler would need FSDP's sharded scaler),
+DeepSpeed (``zero_stage`` exists only with ``fsdp: off``), the optimizer step in backward, and
+quantized base weights (bitsandbytes' parameters are not DTensors).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from trials.techniques.base import Config, Knob, Run, Technique
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+#: fsdp choice -> reshard_after_forward
+RESHARD = {"full_shard": True, "shard_grad_op": False}
+
+
+def fsdp_mode(config: Config) -> str:
+    return str(config.get("fsdp", "off"))
+
+
+def runs_fsdp(config: Config) -> bool:
+    return fsdp_mode(config) in RESHARD
+
+
+def offloads_shards(config: Config) -> bool:
+    return runs_fsdp(config) and config.get("fsdp_offload") == "cpu"
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks (its decoder layers): the children of every ``ModuleList``
+    whose children are all of one class (``model.layers`` in LLaMA, ``transformer.h`` in
+    GPT-2, whatever the architecture names it)."""
+    from torch import nn
+
+    found: list[nn.Module] = []
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0:
+            kinds = {type(child) for child in module}
+            if len(kinds) == 1:
+                found.extend(module)
+    return found
+
+
+def shard(model: nn.Module, config: Config, device: torch.device, world: int) -> nn.Module:
+    """``fully_shard`` on each block, then on the root, over ``world`` ranks of ``device``'s
+    kind (the process group must exist)."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    from trials.techniques.precision import PRECISIONS
+
+    mesh = init_device_mesh(device.type, (world,))
+    half = PRECISIONS[str(config.get("precision", "fp32"))].autocast_dtype
+    kwargs: dict[str, Any] = {
+        "mesh": mesh,
+        "reshard_after_forward": RESHARD[fsdp_mode(config)],
+        "mp_policy": MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32),
+    }
+    if offloads_shards(config):
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    for block in blocks(model):
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+class Fsdp(Technique):
+    family = "fsdp"
+    knobs = (
+        Knob(
+            "fsdp",
+            ("off", "full_shard", "shard_grad_op"),
+            baseline="off",
+            from_bool=("full_shard", "off"),
+            short=lambda v: "" if v == "off" else f"fsdp2-{v}",
+        ),
+        Knob(
+            "fsdp_offload",
+            ("none", "cpu"),
+            baseline="none",
+            memory_order=lambda v: {"cpu": 0.0, "none": 1.0}[v],  # offloaded, less on the device
+            short=lambda v: "" if v == "none" else "fsdp-off",
+        ),
+    )
+
+    def training_arguments(self, config: Config, run: Run) -> dict[str, Any]:
+        if not runs_fsdp(config):
+            return {}
+        # transformers' Trainer hands these to accelerate's FullyShardedDataParallelPlugin
+        # (version 2: fully_shard; the blocks found from the model's _no_split_modules)
+        return {
+            "fsdp": True,
+            "fsdp_config": {
+                "version": 2,
+                "reshard_after_forward": RESHARD[fsdp_mode(config)],
+                "cpu_offload": offloads_shards(config),
+                "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                "state_dict_type": "SHARDED_STATE_DICT",
+            },
+        }
+
+    def accelerate(self, config: Config, run: Run) -> dict[str, Any]:
+        if not runs_fsdp(config):
+            return {}
+        return {
+            "distributed_type": "FSDP",
+            "fsdp_config": {
+                "fsdp_version": 2,
+                "fsdp_reshard_after_forward": RESHARD[fsdp_mode(config)],
+                "fsdp_offload_params": offloads_shards(config),
+                "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+                "fsdp_cpu_ram_efficient_loading": True,
+            },
+        }
+
+    def companion(self, config: Config, run: Run) -> dict[str, Any]:
+        return {
+            "fsdp": fsdp_mode(config) if runs_fsdp(config) else None,
+            "fsdp_offload": offloads_shards(config),
+        }
+
+
+TECHNIQUE = Fsdp()
