@@ -187,3 +187,26 @@ def test_transformers_and_accelerate_read_the_exports(
     assert loaded.fsdp_config["fsdp_reshard_after_forward"] == reshard
     assert loaded.fsdp_config["fsdp_offload_params"] == offload
     assert technique.training_arguments({}, run) == technique.accelerate({}, run) == {}
+
+
+def test_the_speed_model_charges_full_shard_one_and_a_half_all_reduces() -> None:
+    """On GPUs whose compute and memory are instant (nothing hides the collectives), fp32
+    full_shard moves 1.5x DDP's bytes (the FSDP and ZeRO papers: two all-gathers and a
+    reduce-scatter against an all-reduce, which is a reduce-scatter and an all-gather); and
+    offloading the shards costs PCIe and the host's step on top."""
+    from autotune.estimator.gpus import GPUS
+    from autotune.models import REGISTRY as MODELS
+
+    instant = dataclasses.replace(
+        GPUS["a100-80gb"], fp32_tflops=1e12, bf16_tflops=1e12, fp16_tflops=1e12, hbm_gbps=1e12
+    )
+    kw = {"seq_len": 2048, "global_batch_size": 1, "nproc": 8, "gpu": instant}
+    cfg = MODELS["llama-7b"].config
+    base = {"micro_batch_size": 1}
+    est = AnalyticalEstimator()
+    ddp = est.estimate(cfg, base, **kw).time_breakdown["communication"]
+    sharded = est.estimate(cfg, {**base, "fsdp": "full_shard"}, **kw)
+    assert sharded.time_breakdown["communication"] == pytest.approx(1.5 * ddp, rel=1e-6)
+    offloaded = est.estimate(cfg, {**base, "fsdp": "full_shard", "fsdp_offload": "cpu"}, **kw)
+    assert offloaded.time_breakdown["offload"] > 0 == sharded.time_breakdown["offload"]
+    assert offloaded.tokens_per_s < sharded.tokens_per_s

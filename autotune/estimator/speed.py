@@ -51,6 +51,7 @@ from autotune.estimator.gpus import GpuSpec
 from autotune.models import ModelStats, stats_of
 from trials.techniques.checkpointing import saved_ops
 from trials.techniques.cross_entropy import is_chunked
+from trials.techniques.fsdp import RESHARD, fsdp_mode, offloads_shards
 from trials.techniques.micro_batch import micro_and_accumulation
 
 #: fraction of the dense tensor-core (or fp32) peak that training's GEMMs reach, per GPU
@@ -99,6 +100,22 @@ def _roof(flops: float, nbytes: float, flops_per_s: float, bytes_per_s: float) -
     return max(flops / flops_per_s, nbytes / bytes_per_s)
 
 
+def zero_equivalent(config: dict[str, Any]) -> dict[str, Any]:
+    """FSDP2's traffic priced as the ZeRO stage that moves the same bytes: full_shard gathers
+    each block in forward and again in backward and reduce-scatters its gradients (stage 3's
+    volume, 1.5x DDP's all-reduce); shard_grad_op gathers once per step (stage 2's);
+    ``fsdp_offload`` keeps the shards on the host and steps there (ZeRO-Offload's PCIe copies
+    and host step, at the same bytes though torch's AdamW runs there, not DeepSpeed's AVX Adam).
+    Any other config: itself."""
+    mode = fsdp_mode(config)
+    if mode not in RESHARD:
+        return config
+    out = {**config, "zero_stage": 3 if RESHARD[mode] else 2}
+    if offloads_shards(config):
+        out.update(offload_optimizer="cpu", offload_param="cpu")
+    return out
+
+
 def step_time(
     st: ModelStats,
     config: dict[str, Any],
@@ -110,6 +127,7 @@ def step_time(
     offloaded_activations: int = 0,
 ) -> StepTime:
     """The roofline of one step (``global_batch_size`` sequences per GPU)."""
+    config = zero_equivalent(config)
     precision = str(config.get("precision", "fp32"))
     half = precision in ("bf16", "fp16")
     wbytes = 2 if half else 4
