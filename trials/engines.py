@@ -51,12 +51,6 @@ def trial_deepspeed_config(spec: TrialSpec) -> dict[str, Any]:
     return deepspeed_config(spec.config, Run(micro, accum, world()[1], spec.backend, spec.lr))
 
 
-def local(t: torch.Tensor) -> torch.Tensor:
-    """A plain tensor's self; a DTensor's (FSDP2's shards, their states) local shard."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None else t
-
-
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """Every tensor in the optimizer's per-parameter state (moments, step counters)."""
     return [
@@ -132,7 +126,7 @@ class TorchEngine(Engine):
             )
         else:
             self.optimizer = factory(trainable, spec.lr)
-        monitor.tag("parameters", *(local(p) for p in model.parameters()))
+        monitor.tag("parameters", *model.parameters())
 
     #: FSDP2 casts the parameters itself (its mixed-precision policy): no autocast on top
     sharded = False
@@ -167,7 +161,7 @@ class TorchEngine(Engine):
         if self.optimizer is None:  # stepped in backward, parameter by parameter
             self.monitor.tag("optimizer_states", *self._state_tensors())
             return total
-        grads = [local(p.grad) for p in self.model.parameters() if p.grad is not None]
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         self.monitor.tag("gradients", *grads)
         self.gradients_ready(grads)
         if self.scaler is not None:
@@ -242,11 +236,7 @@ class FsdpEngine(TorchEngine):
 
     def _mark_offloaded(self, tensors: list[torch.Tensor]) -> None:
         if self.device.type == "cpu":  # on CUDA they are host tensors already
-            shards = [local(p) for p in self.model.parameters()]
-            self.monitor.mark_host(*shards, *tensors)
-
-    def _state_tensors(self) -> list[torch.Tensor]:
-        return [local(t) for t in super()._state_tensors()]  # the states' local shards
+            self.monitor.mark_host(*self.model.parameters(), *tensors)
 
 
 class DeepSpeedEngine(Engine):

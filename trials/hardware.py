@@ -22,6 +22,7 @@ class Hardware:
     has_deepspeed: bool = True  # a dependency of the project; detect() still checks
     has_cxx: bool = True  # a C++ compiler builds DeepSpeedCPUAdam (once; cached)
     cpu_fp16: bool = False  # oneDNN fp16 kernels: DeepSpeed refuses fp16 on a CPU without them
+    has_torchao: bool = False  # torchao's low-bit optimizers
 
     @classmethod
     def detect(cls, backend: str | None = None) -> Hardware:
@@ -38,6 +39,7 @@ class Hardware:
             has_deepspeed=importlib.util.find_spec("deepspeed") is not None,
             has_cxx=any(shutil.which(c) for c in ("c++", "g++", "clang++")),
             cpu_fp16=_cpu_fp16(),
+            has_torchao=importlib.util.find_spec("torchao") is not None,
         )
 
     @property
@@ -56,6 +58,11 @@ def _cpu_fp16() -> bool:
 
 def needs_cuda(hw: Hardware) -> str | None:
     return None if hw.backend == "cuda" else "needs a CUDA GPU"
+
+
+def needs_torchao(hw: Hardware) -> str | None:
+    """torchao's 8-/4-bit AdamW: any device (on a CPU its compiled step runs eagerly)."""
+    return None if hw.has_torchao else "torchao is not installed (pip install 'autotune[gpu]')"
 
 
 def needs_bitsandbytes(hw: Hardware) -> str | None:

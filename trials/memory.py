@@ -23,7 +23,7 @@ from types import TracebackType
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from trials.roles import StorageLedger
@@ -166,26 +166,26 @@ class _LiveStorageCounter(TorchDispatchMode):
         return out
 
 
-def local_shard(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (FSDP2's parameters, gradients and optimizer states): the data
-    this process holds. The DTensor wrapper's own storage is a placeholder of the global size,
-    and the ops on the shard run inside the DTensor's dispatch, where the tracker's mode is off;
-    so the wrapper is counted by its shard's storage. Any other tensor: itself."""
-    if torch.distributed.is_available():
-        from torch.distributed.tensor import DTensor
-
-        if isinstance(t, DTensor):
-            return t.to_local()
-    return t
+def plain_tensors(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors that hold a tensor's data: itself, or, for a wrapper subclass (a
+    DTensor: FSDP2's shards, their gradients and states; torchao's 8-/4-bit optimizer states),
+    the inner tensors it flattens to (``__tensor_flatten__``), recursively. A wrapper's own
+    storage is a placeholder of its logical size and dtype, and the ops on its inner tensors
+    run inside its dispatch, where the tracker's mode is off: so it is counted by them."""
+    if not is_traceable_wrapper_subclass(t):
+        return [t]
+    names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
+    inners = (getattr(t, name) for name in names)  # a DTensor's mesh too: not a tensor
+    return [p for inner in inners if isinstance(inner, torch.Tensor) for p in plain_tensors(inner)]
 
 
 def _storages(
     tensors: tuple[torch.Tensor, ...],
 ) -> Iterator[tuple[int, torch.UntypedStorage]]:
     """(tracking key, storage) of each tensor that has a storage (not a fake or sparse one)."""
-    for t in tensors:
+    for t in (inner for outer in tensors for inner in plain_tensors(outer)):
         try:
-            storage = local_shard(t).untyped_storage()
+            storage = t.untyped_storage()
         except (NotImplementedError, RuntimeError):
             continue
         yield id(storage), storage
@@ -231,11 +231,15 @@ class CpuMemoryMonitor(MemoryMonitor):
         #: storage key -> its bytes now, where a resize changed them since its birth
         self._resized_to: dict[int, int] = {}
         self._resize: Any = None  # torch.UntypedStorage.resize_ while the monitor is entered
+        self._eager: Any = None  # torch.compiler's force_eager stance, entered with the monitor
 
     def _track(self, t: torch.Tensor) -> None:
         if self._paused or t.device.type != "cpu" or t.is_meta:
             return
-        t = local_shard(t)
+        if is_traceable_wrapper_subclass(t):
+            for inner in plain_tensors(t):
+                self._track(inner)
+            return
         try:
             storage = t.untyped_storage()
         except (NotImplementedError, RuntimeError):
@@ -408,11 +412,16 @@ class CpuMemoryMonitor(MemoryMonitor):
             return out
 
         torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign,assignment]
+        # torch.compile can't trace under a dispatch mode: what the trial compiles (torchao's
+        # low-bit optimizer step) runs eagerly here, counted op by op
+        self._eager = torch.compiler.set_stance("force_eager")
+        self._eager.__enter__()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:  # type: ignore[no-untyped-def]
         assert self._mode is not None
         torch.UntypedStorage.resize_ = self._resize  # type: ignore[method-assign]
+        self._eager.__exit__(exc_type, exc, tb)
         self._scope.__exit__(exc_type, exc, tb)
         self._mode.__exit__(exc_type, exc, tb)
         self._mode = None
@@ -436,8 +445,9 @@ class CpuMemoryMonitor(MemoryMonitor):
         return _paused()
 
     def tag(self, role: str, *tensors: torch.Tensor | None) -> None:
-        for t in tensors:
-            if t is None or t.device.type != "cpu" or t.is_meta:
+        held = (inner for outer in tensors if outer is not None for inner in plain_tensors(outer))
+        for t in held:
+            if t.device.type != "cpu" or t.is_meta:
                 continue
             try:
                 self._ledger.tag(id(t.untyped_storage()), role)

@@ -41,6 +41,7 @@ from autotune.estimator.states import (
     zero_states_at,
 )
 from autotune.models import stats_of
+from trials.techniques import OPTIMIZERS
 from trials.techniques.activation_offload import offloads_activations
 from trials.techniques.cross_entropy import loss_tokens
 from trials.techniques.fsdp import runs_fsdp
@@ -130,7 +131,8 @@ class AnalyticalEstimator(Estimator):
             bwd_layers = stream + recompute
         grads_before = grads if accum > 1 else 0
         largest = st.largest_param
-        step_temps = 2 * 4 * largest if not deepspeed else 0
+        copies = OPTIMIZERS[str(config.get("optimizer", "adamw"))].step_copies
+        step_temps = copies * 4 * largest if not deepspeed else 0
 
         moments = {
             "end of forward": (grads_before, acts + cache_in_fwd, fwd_logits, 0),

@@ -67,8 +67,17 @@ PCIE_EFFICIENCY = 0.80
 ELEMENTWISE_PASSES = 4.0
 #: host memory bandwidth CPU-Adam reaches on a training server (DDR4/5, several channels)
 HOST_MEMORY_GBPS = 100.0
-#: optimizer step bytes moved per parameter on the device: fp32 states, read and written
-OPTIMIZER_STEP_BYTES = {"adamw": 28, "adafactor": 16, "lion": 20, "adamw_8bit": 16}
+#: optimizer step bytes moved per parameter on the device: fp32 weight read and written, its
+#: gradient read, the states read and written (8-bit: a byte per moment, 4-bit half of it)
+OPTIMIZER_STEP_BYTES = {
+    "adamw": 28,
+    "adafactor": 16,
+    "lion": 20,
+    "adamw_8bit": 16,
+    "paged_adamw_8bit": 16,
+    "adamw_torchao_8bit": 16,
+    "adamw_torchao_4bit": 14,
+}
 CPU_ADAM_BYTES = 30  # fp32 p, g, m, v read; p, m, v and the 16-bit copy written
 QUANT_BYTES = {"int8": 1.0, "nf4": 0.53}
 #: median |error| of the calibration (benchmarks/speed_calibration.py): speeds closer than this

@@ -163,10 +163,39 @@ def _adamw_8bit_states(optimizer: torch.optim.Optimizer) -> None:
                 state["state2"] = torch.zeros_like(p)
 
 
+def _low_bit_states(bits: int, block: int, copies: int) -> Any:
+    """torchao's AdamW8bit/4bit: per moment, uint8 codes (``bits`` per value) and an fp32 scale
+    per ``block`` values and a code book, for tensors of at least 4096 values that ``block``
+    divides; fp32 moments below that; and, parameter by parameter, the ``copies`` fp32
+    temporaries its step makes (``OptimizerChoice.step_copies``)."""
+
+    def allocate(optimizer: torch.optim.Optimizer) -> None:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                temporaries = [torch.empty(p.shape) for _ in range(copies)]
+                del temporaries
+                state = optimizer.state[p]
+                if state:
+                    continue
+                n = p.numel()
+                for moment in ("exp_avg", "exp_avg_sq"):
+                    if n >= 4096 and n % block == 0:
+                        state[moment + "_codes"] = torch.zeros(n * bits // 8, dtype=torch.uint8)
+                        state[moment + "_scale"] = torch.zeros(n // block)
+                        state[moment + "_qmap"] = torch.zeros(2**bits)  # its code book
+                    else:
+                        state[moment] = torch.zeros_like(p)
+
+    return allocate
+
+
 #: optimizer -> (stand-in to construct, how its step runs on fake tensors)
 FAKE_STEP: dict[str, tuple[str, Any]] = {
     "adafactor": ("adafactor", _adafactor_states),
     "adamw_8bit": ("adamw", _adamw_8bit_states),
+    "paged_adamw_8bit": ("adamw", _adamw_8bit_states),
+    "adamw_torchao_8bit": ("adamw", _low_bit_states(8, 256, 6)),
+    "adamw_torchao_4bit": ("adamw", _low_bit_states(4, 128, 6)),
 }
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trials.hardware import needs_bitsandbytes
+from trials.hardware import needs_bitsandbytes, needs_torchao
 from trials.techniques.base import Config, Knob, Run, Technique
 from trials.techniques.offload import offloads_optimizer
 from trials.techniques.zero import zero_stage
@@ -44,6 +44,23 @@ def _adamw_8bit(params: Iterable[nn.Parameter], lr: float) -> torch.optim.Optimi
     return bnb.optim.AdamW8bit(params, lr=lr, weight_decay=0.0)  # type: ignore[no-any-return]
 
 
+def _paged_adamw_8bit(params: Iterable[nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    import bitsandbytes as bnb  # CUDA only: states in unified memory, paged out under pressure
+
+    return bnb.optim.PagedAdamW8bit(params, lr=lr, weight_decay=0.0)  # type: ignore[no-any-return]
+
+
+def _torchao(name: str) -> OptimizerFactory:
+    """torchao's low-bit AdamW (``torchao.optim``): both moments quantized block-wise."""
+
+    def make(params: Iterable[nn.Parameter], lr: float) -> torch.optim.Optimizer:
+        from torchao import optim as ao
+
+        return getattr(ao, name)(params, lr=lr, weight_decay=0.0)  # type: ignore[no-any-return]
+
+    return make
+
+
 Shape = tuple[int, ...]
 #: parameter shapes -> the optimizer's state bytes for them (the estimator's term)
 StateBytes = Callable[[Sequence[Shape]], int]
@@ -74,12 +91,35 @@ def _bnb_8bit(shapes: Sequence[Shape]) -> int:
     )
 
 
+def _torchao_bits(bits: int, block: int) -> StateBytes:
+    """torchao's OptimState8bit/4bit: per moment ``bits`` per value (uint8 codes, two 4-bit
+    codes a byte), one fp32 scale per ``block`` values and its own fp32 code book (2^bits
+    entries), for tensors of at least 4096 values that ``block`` divides; fp32 moments for the
+    others (``torchao/optim/adam.py``, ``subclass_8bit.py``, ``subclass_4bit.py``)."""
+    qmap = 4 * 2**bits
+
+    def state(shapes: Sequence[Shape]) -> int:
+        total = 0
+        for s in shapes:
+            n = _numel(s)
+            quantized = n >= 4096 and n % block == 0
+            total += 2 * (n * bits // 8 + 4 * (n // block) + qmap) if quantized else 8 * n
+        return total
+
+    return state
+
+
 @dataclass(frozen=True)
 class OptimizerChoice:
     factory: OptimizerFactory
     lossy: bool  # differs numerically from the AdamW reference
     hf_name: str  # TrainingArguments.optim
     state_bytes: StateBytes  # for the estimators (step counters ignored)
+    #: fp32 copies of a tensor its step makes at once (the estimators' step temporaries, for
+    #: the largest tensor): torch's single-tensor AdamW 2; torchao's low-bit step run eagerly
+    #: (the CPU backend, where torch.compile can't run under the tracker) 6, measured: its
+    #: dequantized moments, the update and their intermediates. Compiled on CUDA it makes fewer.
+    step_copies: int = 2
 
 
 OPTIMIZERS: dict[str, OptimizerChoice] = {
@@ -90,6 +130,23 @@ OPTIMIZERS: dict[str, OptimizerChoice] = {
     "lion": OptimizerChoice(_lion, lossy=True, hf_name="lion_32bit", state_bytes=_per_param(4)),
     "adamw_8bit": OptimizerChoice(
         _adamw_8bit, lossy=True, hf_name="adamw_bnb_8bit", state_bytes=_bnb_8bit
+    ),
+    "paged_adamw_8bit": OptimizerChoice(
+        _paged_adamw_8bit, lossy=True, hf_name="paged_adamw_8bit", state_bytes=_bnb_8bit
+    ),
+    "adamw_torchao_8bit": OptimizerChoice(
+        _torchao("AdamW8bit"),
+        lossy=True,
+        hf_name="adamw_torch_8bit",
+        state_bytes=_torchao_bits(8, 256),
+        step_copies=6,
+    ),
+    "adamw_torchao_4bit": OptimizerChoice(
+        _torchao("AdamW4bit"),
+        lossy=True,
+        hf_name="adamw_torch_4bit",
+        state_bytes=_torchao_bits(4, 128),
+        step_copies=6,
     ),
 }
 
@@ -114,10 +171,18 @@ class Optimizer(Technique):
             short=str,
             fidelity={
                 "adamw_8bit": "reduced_state",
+                "paged_adamw_8bit": "reduced_state",
+                "adamw_torchao_8bit": "reduced_state",
+                "adamw_torchao_4bit": "reduced_state",
                 "adafactor": "other_optimizer",
                 "lion": "other_optimizer",
             },
-            requires={"adamw_8bit": needs_bitsandbytes},
+            requires={
+                "adamw_8bit": needs_bitsandbytes,
+                "paged_adamw_8bit": needs_bitsandbytes,
+                "adamw_torchao_8bit": needs_torchao,
+                "adamw_torchao_4bit": needs_torchao,
+            },
         ),
     )
 
