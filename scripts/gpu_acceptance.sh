@@ -4,7 +4,11 @@
 #   1. every trial's construction peak <= its training peak (construction never above steady state)
 #   2. at least one OOM caught as a constraint (a COMPLETE trial, memory constraint > 0)
 #   3. the winner's measured peak within 10% of the analytical estimate for this GPU
-# and one summary table. Under 10 minutes on one recent GPU (H100/H200/A100: 8 trials).
+#   4. the newer techniques (chunked cross-entropy, per-op checkpointing, activation offload,
+#      optimizer step in backward, FSDP2 with offload, torchao 8-/4-bit AdamW, bitsandbytes'
+#      paged 8-bit AdamW), one trial each beside plain bf16: runs, saves, within 10% of the
+#      estimate
+# and two summary tables. Under 10 minutes on one recent GPU (H100/H200/A100: 8 + 8 trials).
 #
 #   bash scripts/gpu_acceptance.sh                 # on a GPU machine: installs .venv-gpu first
 #   bash scripts/gpu_acceptance.sh --cpu-dry-run   # same checks on a CPU scale replica (91M)
@@ -33,7 +37,7 @@ if [ "$MODE" = gpu ]; then
         "$PY" -m pip install --quiet --upgrade pip setuptools wheel
         "$PY" -m pip install --quiet torch            # the CUDA build (PyPI's default on Linux)
         "$PY" -m pip install --quiet --no-build-isolation deepspeed
-        "$PY" -m pip install --quiet -e . nvidia-ml-py
+        "$PY" -m pip install --quiet -e . nvidia-ml-py torchao bitsandbytes
         # flash-attn only when a prebuilt wheel installs quickly; the study drops it otherwise
         timeout 240 "$PY" -m pip install --quiet --no-build-isolation flash-attn \
             || echo "note: flash-attn not installed; attention=flash_attention_2 is dropped"
@@ -102,7 +106,8 @@ START=$(date +%s)
     | tee "$OUT/run.log"
 echo "study took $(( $(date +%s) - START )) s"
 
-"$PY" - "$STORAGE" "$OUT/model.json" "$MODE" <<'PY'
+STUDY_RC=0
+"$PY" - "$STORAGE" "$OUT/model.json" "$MODE" <<'PY' || STUDY_RC=$?
 """The acceptance checks, from the database alone, and the summary table."""
 import json
 import sys
@@ -171,3 +176,75 @@ for name, passed in checks.items():
     console.print(f"{'PASS' if passed else 'FAIL'}  {name}", markup=False)
 sys.exit(0 if all(checks.values()) else 1)
 PY
+
+# The techniques of issue 16, one real trial each beside the same configuration without it (bf16,
+# full checkpointing, the whole batch in one micro-batch, no budget): each must run, save memory
+# where it is meant to, and land within 10% of the analytical estimate.
+TECH_RC=0
+"$PY" - "$OUT/model.json" "$MODE" "$SEQ" "$GBS" "$OUT/techniques" <<'PY' || TECH_RC=$?
+import json
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from autotune.estimator.analytical import AnalyticalEstimator
+from autotune.estimator.gpus import gpu_spec
+from autotune.hardware import detected_gpu_key
+from autotune.runner import SubprocessRunner
+from trials.spec import TrialSpec
+
+model_path, mode, seq, gbs, folder = sys.argv[1:6]
+model = json.loads(Path(model_path).read_text())
+backend = "cuda" if mode == "gpu" else "cpu"
+base = {"gradient_checkpointing": "full", "precision": "bf16", "attention": "sdpa",
+        "optimizer": "adamw", "micro_batch_size": int(gbs)}
+rungs = {  # technique -> (its config, whether it must lower the peak)
+    "chunked cross-entropy": ({"cross_entropy": "chunked"}, True),
+    "checkpoint_save=matmuls": ({"checkpoint_save": "matmuls"}, False),
+    "activation offload": ({"activation_offload": "cpu"}, True),
+    "optimizer in backward": ({"optimizer_in_backward": True}, True),
+    "FSDP2 full_shard + offload": ({"fsdp": "full_shard", "fsdp_offload": "cpu"}, True),
+    "torchao AdamW 8-bit": ({"optimizer": "adamw_torchao_8bit"}, True),
+    "torchao AdamW 4-bit": ({"optimizer": "adamw_torchao_4bit"}, True),
+}
+if mode == "gpu":
+    rungs["bitsandbytes paged AdamW 8-bit"] = ({"optimizer": "paged_adamw_8bit"}, True)
+runner = SubprocessRunner(Path(folder), timeout_s=600)
+gpu = gpu_spec(detected_gpu_key()) if mode == "gpu" and detected_gpu_key() else None
+mib = 2**20
+
+
+def trial(config, name):
+    spec = TrialSpec(model_config=model, config=config, seq_len=int(seq),
+                     global_batch_size=int(gbs), backend=backend, measured_steps=3)
+    result = runner.run(spec, name)
+    est = AnalyticalEstimator().estimate(model, config, seq_len=int(seq),
+                                         global_batch_size=int(gbs), gpu=gpu)
+    return result, est.peak_bytes
+
+
+plain, plain_est = trial(base, "plain")
+table = Table(title=f"techniques ({mode}), each beside plain bf16 + full checkpointing")
+for col in ("technique", "status", "peak MiB", "estimate MiB", "error", "tok/s"):
+    table.add_column(col, justify="left" if col in ("technique", "status") else "right")
+table.add_row("(plain)", plain.status, f"{plain.peak_bytes / mib:,.0f}",
+              f"{plain_est / mib:,.0f}", "", f"{plain.tokens_per_s:,.0f}")
+checks = {}
+for name, (extra, saves) in rungs.items():
+    result, est = trial({**base, **extra}, name.replace(" ", "_").replace("/", "_"))
+    err = (result.peak_bytes - est) / est if est else 0.0
+    table.add_row(name, result.status, f"{result.peak_bytes / mib:,.0f}", f"{est / mib:,.0f}",
+                  f"{err:+.1%}", f"{result.tokens_per_s:,.0f}")
+    checks[f"{name}: runs"] = result.status == "ok"
+    checks[f"{name}: within 10% of the estimate"] = result.status == "ok" and abs(err) <= 0.10
+    if saves:
+        checks[f"{name}: lower peak than plain"] = result.peak_bytes < plain.peak_bytes
+console = Console(width=140)
+console.print(table)
+for name, passed in checks.items():
+    console.print(f"{'PASS' if passed else 'FAIL'}  {name}", markup=False)
+sys.exit(0 if all(checks.values()) else 1)
+PY
+exit $(( STUDY_RC || TECH_RC ))
