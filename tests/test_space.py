@@ -35,7 +35,7 @@ def test_default_space_loads_from_package() -> None:
         "checkpoint_every",
         "checkpoint_save",
         "cross_entropy",
-        "precision",
+        "activation_offload",
     ]
     assert space.reference["precision"] == "fp32"
 
@@ -77,7 +77,8 @@ def test_grid_respects_conditions_and_rules() -> None:
     bf16 = fp32 + 3 * (9 + 36 + 24)
     fsdp = 2 * 2 * 2 * 2
     in_backward = 1 * 3 * 2
-    assert len(grid) == (1 + 3 + 3) * 2 * ((5 + 4) * (fp32 + bf16 + fsdp) + in_backward)
+    # checkpointing: off, full (3 ops saved x activation offload or not), every 2nd (3 ops saved)
+    assert len(grid) == (1 + 3 * 2 + 3) * 2 * ((5 + 4) * (fp32 + bf16 + fsdp) + in_backward)
     for c in grid:
         if c.get("optimizer_in_backward"):
             assert c["micro_batch_size"] == 16 and "zero_stage" not in c and "fsdp" not in c
@@ -148,6 +149,7 @@ def test_reference_is_exact_and_minimal() -> None:
         "gradient_checkpointing": "full",
         "checkpoint_save": "none",
         "cross_entropy": "full",
+        "activation_offload": "none",
         "precision": "fp32",
         "attention": "sdpa",
         "optimizer": "adamw",
