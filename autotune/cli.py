@@ -84,6 +84,7 @@ from autotune.terminal import make_console, printable, shell_line
 from autotune.units import budget_label, format_size, parse_size
 from trials.spec import TrialResult
 from trials.techniques import FIDELITY_CLASSES, classes_up_to
+from trials.techniques.zero import runs_deepspeed
 
 #: Real CPU trials build the model in this machine's memory; beyond this they can't run here.
 MAX_CPU_TRIAL_PARAMS = 500_000_000
@@ -330,7 +331,8 @@ def _report(
     title = f"study {escape(study.study_name)}"
     counts = {k: sum(r.status == k for r in sel.rows) for k in ("ok", "oom", "failed")}
     full_table = "(the full table: autotune show, or --table)"
-    commands = next_commands(study.study_name, storage_url)
+    winner = sel.winner.config if sel.winner is not None else None
+    commands = next_commands(study.study_name, storage_url, winner)
     if settings.backend == "estimate":
         title += f": predicted for {gpu_spec(settings.target_gpu).name}, not measured"
         if table:
@@ -356,16 +358,20 @@ def _report(
     console.print(f"stored in {mask_url(storage_url)} as study '{study.study_name}'", markup=False)
 
 
-def next_commands(study_name: str, storage_url: str) -> dict[str, str]:
+def next_commands(
+    study_name: str, storage_url: str, winner: dict[str, Any] | None = None
+) -> dict[str, str]:
     """What to type next: the export, resume and report commands, each one quoted command to
     paste (as ``resume_hint``: a storage URL with a password is not printed; a ``storage`` line
-    then says to set AUTOTUNE_STORAGE), and the other export formats."""
+    then says to set AUTOTUNE_STORAGE), and the other export formats. The export is DeepSpeed's
+    JSON, or accelerate's config for a winner that runs without DeepSpeed (plain torch, FSDP2)."""
     where, note = _study_args(study_name, storage_url)
+    fmt, file = ("deepspeed", "ds_config.json")
+    if winner is not None and not runs_deepspeed(winner):
+        fmt, file = ("accelerate", "accelerate_config.yaml")
     out = {
-        "export": shell_line(
-            ["autotune", "export", *where, "--format", "deepspeed", "--out", "ds_config.json"]
-        ),
-        "formats": "or --format " + ", ".join(f for f in EXPORTERS if f != "deepspeed"),
+        "export": shell_line(["autotune", "export", *where, "--format", fmt, "--out", file]),
+        "formats": "or --format " + ", ".join(f for f in EXPORTERS if f != fmt),
         "resume": shell_line(["autotune", "resume", *where, "--trials", "12"]),
         "report": shell_line(["autotune", "report", *where, "--out", "autotune_report"]),
     }

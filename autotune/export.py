@@ -34,7 +34,9 @@ from autotune.terminal import printable
 from trials import zero
 from trials.techniques import REGISTRY, Run
 from trials.techniques.attention import attn_implementation
+from trials.techniques.fsdp import runs_fsdp
 from trials.techniques.micro_batch import micro_and_accumulation
+from trials.techniques.optimizer_in_backward import steps_in_backward
 from trials.techniques.zero import runs_deepspeed
 
 
@@ -337,6 +339,12 @@ def export(
     """Write ``out`` (and the files it names, and ``<stem>.autotune.json``) for the winner."""
     if fmt not in EXPORTERS:
         raise UserError(f"unknown export format '{fmt}' (known: {', '.join(EXPORTERS)})")
+    if fmt == "deepspeed" and (runs_fsdp(config) or steps_in_backward(config)):
+        engine = "FSDP2" if runs_fsdp(config) else "the optimizer step in backward"
+        raise UserError(
+            f"this configuration trains with {engine}, not DeepSpeed: export it with "
+            "--format accelerate, hf, axolotl or command"
+        )
     if not out.parent.exists():
         raise UserError(f"cannot write {out}: folder {out.parent} does not exist")
     text = EXPORTERS[fmt].render(config, settings, out, user)

@@ -15,7 +15,7 @@ import yaml
 
 from autotune.estimator.analytical import AnalyticalEstimator
 from autotune.space import SearchSpace
-from tests.conftest import tiny_spec
+from tests.conftest import TINY, tiny_spec
 from trials.hardware import Hardware
 from trials.job import run_trial
 from trials.memory import CpuMemoryMonitor
@@ -114,11 +114,15 @@ def test_bf16_mixed_precision_policy_as_predicted(tmp_path: Path) -> None:
 
 
 def test_one_rank_trains_as_plain_training() -> None:
-    """In this process, one rank: full_shard's losses are plain training's, bit for bit."""
-    plain = run_trial(tiny_spec(BASE, measured_steps=1))
-    sharded = run_trial(tiny_spec({**BASE, "fsdp": "full_shard"}, measured_steps=1))
+    """In this process, one rank: full_shard's losses are plain training's, bit for bit; in
+    fp32 its "gathered" parameters are the shards themselves (no copy), and the peak is the
+    estimator's within 5% (measured 137,946,280 B, predicted 134,516,736)."""
+    plain = run_trial(tiny_spec(BASE, global_batch_size=4, measured_steps=1))
+    spec = tiny_spec({**BASE, "fsdp": "full_shard"}, global_batch_size=4, measured_steps=1)
+    sharded = run_trial(spec)
     assert plain.status == sharded.status == "ok", sharded.error
     assert sharded.losses == plain.losses
+    assert sharded.peak_bytes == pytest.approx(_predicted(spec), rel=0.05)
 
 
 def test_the_tracker_follows_a_storage_resized_in_place() -> None:
@@ -210,3 +214,27 @@ def test_the_speed_model_charges_full_shard_one_and_a_half_all_reduces() -> None
     offloaded = est.estimate(cfg, {**base, "fsdp": "full_shard", "fsdp_offload": "cpu"}, **kw)
     assert offloaded.time_breakdown["offload"] > 0 == sharded.time_breakdown["offload"]
     assert offloaded.tokens_per_s < sharded.tokens_per_s
+
+
+def test_an_fsdp_winner_is_exported_for_accelerate_not_deepspeed(tmp_path: Path) -> None:
+    """The answer's export line names accelerate's config for a winner without DeepSpeed, and
+    a DeepSpeed JSON of an FSDP2 configuration is refused with one line."""
+    from autotune.cli import next_commands
+    from autotune.errors import UserError
+    from autotune.export import export
+    from autotune.study import StudySettings
+
+    url = f"sqlite:///{tmp_path}/a.db"
+    fsdp = {**BASE, "fsdp": "full_shard", "fsdp_offload": "cpu"}
+    assert "--format accelerate" in next_commands("s", url, fsdp)["export"]
+    assert "--format deepspeed" in next_commands("s", url, {**BASE, "zero_stage": 2})["export"]
+    settings = StudySettings(
+        model="tiny-llama", model_config=TINY, budget_bytes=2**30, budget_label="1GiB",
+        backend="cpu", seq_len=64, global_batch_size=4, space={},
+    )  # fmt: skip
+    with pytest.raises(UserError, match="trains with FSDP2, not DeepSpeed"):
+        export("deepspeed", fsdp, settings, tmp_path / "ds.json")
+    assert not (tmp_path / "ds.json").exists()
+    written = yaml.safe_load(export("accelerate", fsdp, settings, tmp_path / "a.yaml").read_text())
+    assert written["distributed_type"] == "FSDP"
+    assert written["fsdp_config"]["fsdp_offload_params"] is True

@@ -496,6 +496,10 @@ def fsdp_held(
     # (``torch.ops.fsdp.chunk_cat``) casts 16-bit gradients to fp32 first, a kernel CUDA fuses
     cast = 4 if w != 4 and not cuda else 0
     gathered = w * root
+    if n == 1 and w == 4 and not offloaded:
+        # one rank, no cast, shards on the device: the "gathered" parameters are the shards
+        # themselves (``FSDPParamGroup.wait_for_unshard``'s world-size-1 path)
+        gathered = blocks_fwd = 0
     held = {"parameters": shards, "gradients": 0, "optimizer_states": optim, "temporaries": 0}
     if moment == "optimizer step":
         held["gradients"] = 0 if offloaded else 4 * psi // n
@@ -508,7 +512,7 @@ def fsdp_held(
     elif moment == "first layer's backward":
         # the root's gathered parameters and its gradients so far (the head's), every block's
         # reduced gradient shard, the first block's gathered (and the embedding prefetched)
-        held["parameters"] += gathered + 2 * w * block
+        held["parameters"] += gathered + (2 * w * block if gathered else 0)
         reduced = 0 if offloaded else 4 * (psi - root) // n
         held["gradients"] = max(grads_kept, reduced) + w * st.vocab * st.hidden
         held["temporaries"] = (w + 4 + cast) * block  # its gathered gradient, the fp32 copy
