@@ -122,6 +122,17 @@ class OptimizerChoice:
     step_copies: int = 2
 
 
+def _torchao_choice(bits: int, block: int) -> OptimizerChoice:
+    """torchao's ``AdamW{bits}bit`` (transformers' ``adamw_torch_{bits}bit``)."""
+    return OptimizerChoice(
+        _torchao(f"AdamW{bits}bit"),
+        lossy=True,
+        hf_name=f"adamw_torch_{bits}bit",
+        state_bytes=_torchao_bits(bits, block),
+        step_copies=6,
+    )
+
+
 OPTIMIZERS: dict[str, OptimizerChoice] = {
     "adamw": OptimizerChoice(_adamw, lossy=False, hf_name="adamw_torch", state_bytes=_per_param(8)),
     "adafactor": OptimizerChoice(
@@ -134,20 +145,8 @@ OPTIMIZERS: dict[str, OptimizerChoice] = {
     "paged_adamw_8bit": OptimizerChoice(
         _paged_adamw_8bit, lossy=True, hf_name="paged_adamw_8bit", state_bytes=_bnb_8bit
     ),
-    "adamw_torchao_8bit": OptimizerChoice(
-        _torchao("AdamW8bit"),
-        lossy=True,
-        hf_name="adamw_torch_8bit",
-        state_bytes=_torchao_bits(8, 256),
-        step_copies=6,
-    ),
-    "adamw_torchao_4bit": OptimizerChoice(
-        _torchao("AdamW4bit"),
-        lossy=True,
-        hf_name="adamw_torch_4bit",
-        state_bytes=_torchao_bits(4, 128),
-        step_copies=6,
-    ),
+    "adamw_torchao_8bit": _torchao_choice(8, block=256),
+    "adamw_torchao_4bit": _torchao_choice(4, block=128),
 }
 
 #: optimizer choice -> DeepSpeed ``optimizer.type``; others are passed to DeepSpeed as a client
