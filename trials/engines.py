@@ -9,6 +9,7 @@ offload). The trial job picks the row from the config (``engine_for``); no ``if`
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from contextlib import nullcontext
 from typing import Any
 
@@ -17,7 +18,7 @@ from torch import nn
 
 from trials.build import build_model
 from trials.cuda import scaler_skipped
-from trials.memory import MemoryMonitor
+from trials.memory import MemoryMonitor, plain_tensors
 from trials.spec import TrialSpec
 from trials.techniques import OPTIMIZERS, PRECISIONS, Run
 from trials.techniques.fsdp import offloads_shards, runs_fsdp, shard
@@ -187,8 +188,8 @@ class TorchEngine(Engine):
     def breakdown(self, peak: int) -> dict[str, int]:
         """Where the monitor does not attribute storages (CUDA): sizes of the model states,
         the rest of the peak as activations and other."""
-        params = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        states = sum(t.numel() * t.element_size() for t in self._state_tensors())
+        params = _nbytes(self.model.parameters())  # FSDP2: this rank's shards
+        states = _nbytes(self._state_tensors())
         # freed by zero_grad; at the peak they exist in full precision (stepped in backward:
         # one parameter's at a time)
         grads = params if self.in_backward is None else 0
@@ -198,6 +199,11 @@ class TorchEngine(Engine):
             "optimizer_states": states,
             "activations_and_other": max(0, peak - params - grads - states),
         }
+
+
+def _nbytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes this process holds for these tensors (a DTensor: its local shard)."""
+    return sum(t.numel() * t.element_size() for outer in tensors for t in plain_tensors(outer))
 
 
 class FsdpEngine(TorchEngine):
