@@ -455,8 +455,11 @@ def _fsdp_states(
     """FSDP2: fp32 shards of the parameters, their gradients and the optimizer's states, 1/N of
     each per rank (``fsdp_held`` has what a rank holds besides, moment by moment)."""
     psi = st.n_params
-    sharded = {"parameters": 4 * psi // n, "gradients": 4 * psi // n, "optimizer_states": 0}
-    sharded["optimizer_states"] = states // n
+    sharded = {
+        "parameters": 4 * psi // n,
+        "gradients": 4 * psi // n,
+        "optimizer_states": states // n,
+    }
     notes = [f"model states: FSDP2 {fsdp_mode(config)} over {n} GPU(s) by formula"]
     offloaded = 0
     if offloads_shards(config):
@@ -489,6 +492,7 @@ def fsdp_held(
         0 if offloaded else model_optimizer_bytes(st, str(config.get("optimizer", "adamw"))) // n
     )
     grads_kept = 0 if offloaded or accum == 1 else 4 * psi // n  # reduced each micro-batch
+    reduced = 0 if offloaded else 4 * (psi - root) // n  # every block's reduced gradient shard
     # full_shard: each block resharded after its forward, none gathered at the end of forward
     # or the start of backward; shard_grad_op: every block gathered until its backward
     blocks_fwd = 0 if RESHARD[fsdp_mode(config)] else st.layers * w * block
@@ -513,12 +517,10 @@ def fsdp_held(
         # the root's gathered parameters and its gradients so far (the head's), every block's
         # reduced gradient shard, the first block's gathered (and the embedding prefetched)
         held["parameters"] += gathered + (2 * w * block if gathered else 0)
-        reduced = 0 if offloaded else 4 * (psi - root) // n
         held["gradients"] = max(grads_kept, reduced) + w * st.vocab * st.hidden
         held["temporaries"] = (w + 4 + cast) * block  # its gathered gradient, the fp32 copy
     else:  # end of backward: the root's gradients reduced
         held["parameters"] += gathered
-        reduced = 0 if offloaded else 4 * (psi - root) // n
         held["gradients"] = max(grads_kept, reduced)
         held["temporaries"] = max((w + 4 + cast) * root, 4 * root + 4 * root // n)
     return held

@@ -43,6 +43,7 @@ from autotune.models import stats_of
 from trials.memory import host_scope
 from trials.techniques import OPTIMIZERS, PRECISIONS, REGISTRY
 from trials.techniques.micro_batch import micro_and_accumulation
+from trials.techniques.optimizer import TORCHAO_BLOCK, torchao_quantizes
 from trials.techniques.optimizer_in_backward import InBackward, steps_in_backward
 
 #: the tag of storages made in host memory (offloaded activations): not on the traced device
@@ -163,11 +164,12 @@ def _adamw_8bit_states(optimizer: torch.optim.Optimizer) -> None:
                 state["state2"] = torch.zeros_like(p)
 
 
-def _low_bit_states(bits: int, block: int, copies: int) -> Any:
-    """torchao's AdamW8bit/4bit: per moment, uint8 codes (``bits`` per value) and an fp32 scale
-    per ``block`` values and a code book, for tensors of at least 4096 values that ``block``
-    divides; fp32 moments below that; and, parameter by parameter, the ``copies`` fp32
-    temporaries its step makes (``OptimizerChoice.step_copies``)."""
+def _low_bit_states(bits: int) -> Any:
+    """torchao's AdamW8bit/4bit: per moment, uint8 codes (``bits`` per value), an fp32 scale
+    per block and a code book where ``torchao_quantizes``, fp32 moments elsewhere; and,
+    parameter by parameter, the fp32 temporaries its step makes (``step_copies``)."""
+    block = TORCHAO_BLOCK[bits]
+    copies = OPTIMIZERS[f"adamw_torchao_{bits}bit"].step_copies
 
     def allocate(optimizer: torch.optim.Optimizer) -> None:
         for group in optimizer.param_groups:
@@ -179,7 +181,7 @@ def _low_bit_states(bits: int, block: int, copies: int) -> Any:
                     continue
                 n = p.numel()
                 for moment in ("exp_avg", "exp_avg_sq"):
-                    if n >= 4096 and n % block == 0:
+                    if torchao_quantizes(n, bits):
                         state[moment + "_codes"] = torch.zeros(n * bits // 8, dtype=torch.uint8)
                         state[moment + "_scale"] = torch.zeros(n // block)
                         state[moment + "_qmap"] = torch.zeros(2**bits)  # its code book
@@ -194,8 +196,8 @@ FAKE_STEP: dict[str, tuple[str, Any]] = {
     "adafactor": ("adafactor", _adafactor_states),
     "adamw_8bit": ("adamw", _adamw_8bit_states),
     "paged_adamw_8bit": ("adamw", _adamw_8bit_states),
-    "adamw_torchao_8bit": ("adamw", _low_bit_states(8, 256, 6)),
-    "adamw_torchao_4bit": ("adamw", _low_bit_states(4, 128, 6)),
+    "adamw_torchao_8bit": ("adamw", _low_bit_states(8)),
+    "adamw_torchao_4bit": ("adamw", _low_bit_states(4)),
 }
 
 

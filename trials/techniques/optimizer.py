@@ -91,18 +91,28 @@ def _bnb_8bit(shapes: Sequence[Shape]) -> int:
     )
 
 
-def _torchao_bits(bits: int, block: int) -> StateBytes:
+#: torchao's block size per bit width (``AdamW8bit``'s and ``AdamW4bit``'s ``block_size``)
+TORCHAO_BLOCK = {8: 256, 4: 128}
+
+
+def torchao_quantizes(numel: int, bits: int) -> bool:
+    """Whether torchao keeps a tensor's moments quantized: at least 4096 values, a whole number
+    of blocks (``torchao/optim/adam.py``); fp32 moments otherwise."""
+    return numel >= 4096 and numel % TORCHAO_BLOCK[bits] == 0
+
+
+def _torchao_bits(bits: int) -> StateBytes:
     """torchao's OptimState8bit/4bit: per moment ``bits`` per value (uint8 codes, two 4-bit
-    codes a byte), one fp32 scale per ``block`` values and its own fp32 code book (2^bits
-    entries), for tensors of at least 4096 values that ``block`` divides; fp32 moments for the
-    others (``torchao/optim/adam.py``, ``subclass_8bit.py``, ``subclass_4bit.py``)."""
-    qmap = 4 * 2**bits
+    codes a byte), one fp32 scale per block and its own fp32 code book (2^bits entries) where
+    ``torchao_quantizes``; fp32 moments for the others (``subclass_8bit.py``,
+    ``subclass_4bit.py``)."""
+    block, qmap = TORCHAO_BLOCK[bits], 4 * 2**bits
 
     def state(shapes: Sequence[Shape]) -> int:
         total = 0
         for s in shapes:
             n = _numel(s)
-            quantized = n >= 4096 and n % block == 0
+            quantized = torchao_quantizes(n, bits)
             total += 2 * (n * bits // 8 + 4 * (n // block) + qmap) if quantized else 8 * n
         return total
 
@@ -122,13 +132,13 @@ class OptimizerChoice:
     step_copies: int = 2
 
 
-def _torchao_choice(bits: int, block: int) -> OptimizerChoice:
+def _torchao_choice(bits: int) -> OptimizerChoice:
     """torchao's ``AdamW{bits}bit`` (transformers' ``adamw_torch_{bits}bit``)."""
     return OptimizerChoice(
         _torchao(f"AdamW{bits}bit"),
         lossy=True,
         hf_name=f"adamw_torch_{bits}bit",
-        state_bytes=_torchao_bits(bits, block),
+        state_bytes=_torchao_bits(bits),
         step_copies=6,
     )
 
@@ -145,8 +155,8 @@ OPTIMIZERS: dict[str, OptimizerChoice] = {
     "paged_adamw_8bit": OptimizerChoice(
         _paged_adamw_8bit, lossy=True, hf_name="paged_adamw_8bit", state_bytes=_bnb_8bit
     ),
-    "adamw_torchao_8bit": _torchao_choice(8, block=256),
-    "adamw_torchao_4bit": _torchao_choice(4, block=128),
+    "adamw_torchao_8bit": _torchao_choice(8),
+    "adamw_torchao_4bit": _torchao_choice(4),
 }
 
 #: optimizer choice -> DeepSpeed ``optimizer.type``; others are passed to DeepSpeed as a client
