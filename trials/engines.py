@@ -224,7 +224,12 @@ class FsdpEngine(TorchEngine):
         if in_backward or self.spec.config.get("precision") == "fp16":
             raise ValueError("fsdp runs without the optimizer step in backward and without fp16")
         ensure_distributed(self.spec.backend, deepspeed_comm=False)
-        return shard(model, self.spec.config, self.device, self.world)
+        # offloaded, the shards are host memory from birth (CPUOffloadPolicy makes them there;
+        # on the CPU backend the tracker must not count them against the device while they are
+        # made: a scale replica's construction ran out of its budget so)
+        offloaded = offloads_shards(self.spec.config)
+        with self.monitor.host_allocations() if offloaded else nullcontext():
+            return shard(model, self.spec.config, self.device, self.world)
 
     def step(self, tokens: torch.Tensor) -> float:
         if not offloads_shards(self.spec.config):
