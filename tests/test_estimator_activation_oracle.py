@@ -1,0 +1,208 @@
+"""A decoder layer's activations against what torch keeps for backward in a real forward pass.
+
+The oracle is measured, not computed: a transformers model is run forward on the CPU and every
+tensor autograd saves for backward is caught by ``torch.autograd.graph.saved_tensors_hooks``
+(counted once per storage, the weights left out). The bytes of one layer for one sequence are
+a double difference, (2 layers - 1 layer) x (micro-batch 2 - micro-batch 1), so the embedding,
+the head, the logits and the weight casts that do not grow with the batch cancel. A
+checkpointed layer keeps what the checkpoint stores (its input and, per op, the saved ops'
+outputs), which no saved-tensor hook outside it sees: there the oracle is the live tensor bytes
+the forward leaves behind (the CPU trial backend's tracker; it agrees with the hooks to the byte
+on the plain layer, checked below).
+
+``layer_activation_bytes`` is a per-token formula of the layer's widths; the agreement measured
+for each case is stated in the table and the test allows twice it (at least 1%). Checkpointed
+layers agree to the byte.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import pytest
+import torch
+
+from autotune.estimator.activations import layer_activation_bytes, saved_op_bytes
+from autotune.models import REGISTRY, stats_of
+from trials.build import build_model
+from trials.memory import CpuMemoryMonitor
+from trials.techniques.checkpointing import TECHNIQUE as CHECKPOINTING
+
+SEQ = 32
+TINY = REGISTRY["tiny-llama"].config
+QWEN = {
+    "model_type": "qwen2",
+    "vocab_size": 300,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+GPT2 = {"model_type": "gpt2", "vocab_size": 300, "n_embd": 64, "n_layer": 2, "n_head": 4}
+GPT2_NO_DROPOUT = {**GPT2, "resid_pdrop": 0.0, "attn_pdrop": 0.0, "embd_pdrop": 0.0}
+MIXTRAL = {
+    "model_type": "mixtral",
+    "vocab_size": 300,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+}
+MODELS = {
+    "tiny-llama": TINY,
+    "qwen2": QWEN,
+    "gpt2": GPT2,
+    "gpt2-no-dropout": GPT2_NO_DROPOUT,
+    "mixtral": MIXTRAL,
+}
+BF16 = {"precision": "bf16"}  # autocast over fp32 weights
+PURE16 = {"precision": "bf16", "zero_stage": 2}  # DeepSpeed's 16-bit model
+EAGER = {"attention": "eager"}
+
+#: (model, configuration, estimate / measured - 1 as measured at seq 32; torch 2.13 CPU)
+CASES: list[tuple[str, dict[str, Any], float]] = [
+    ("tiny-llama", {}, +0.0470),
+    ("tiny-llama", EAGER, +0.0467),
+    ("tiny-llama", BF16, +0.0703),
+    ("tiny-llama", {**BF16, **EAGER}, +0.0678),
+    ("tiny-llama", PURE16, +0.0199),
+    ("qwen2", {}, +0.0600),
+    ("qwen2", EAGER, -0.0017),
+    ("qwen2", {**BF16, **EAGER}, +0.0323),
+    ("qwen2", {**PURE16, **EAGER}, -0.0234),
+    ("gpt2", {}, -0.0711),  # gelu_new's saved temporaries and the dropout masks
+    ("gpt2-no-dropout", {}, +0.0290),
+    ("mixtral", {}, -0.0926),
+    ("mixtral", PURE16, -0.0793),
+]
+
+#: measured gaps beyond 10% (issue 12: any decoder): GPT-2's eager attention is estimated 12-37%
+#: over, Mixtral under autocast 33% under (each expert casts its own inputs to 16 bits). Strict:
+#: an estimator that closes a gap makes its case pass and this list must shrink.
+GAPS: list[tuple[str, dict[str, Any]]] = [
+    ("gpt2", EAGER),
+    ("gpt2-no-dropout", {**BF16, **EAGER}),
+    ("mixtral", BF16),
+]
+
+
+def _kept(model_cfg: dict[str, Any], config: dict[str, Any], layers: int, micro: int) -> int:
+    """Bytes the forward pass leaves for backward (weights excluded)."""
+    cfg = dict(model_cfg)
+    cfg["n_layer" if cfg["model_type"] == "gpt2" else "num_hidden_layers"] = layers
+    half = config.get("precision", "fp32") != "fp32"
+    model16 = half and "zero_stage" in config  # DeepSpeed trains the 16-bit model itself
+    model = build_model(
+        cfg, config.get("attention", "sdpa"), 0, dtype=torch.bfloat16 if model16 else torch.float32
+    )
+    model.train()
+    CHECKPOINTING.apply(model, config, torch.device("cpu"))
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    ids = torch.randint(0, 256, (micro, SEQ), generator=torch.Generator().manual_seed(0))
+    autocast = (
+        torch.autocast("cpu", dtype=torch.bfloat16)
+        if half and not model16
+        else contextlib.nullcontext()
+    )
+    if config.get("gradient_checkpointing", "off") != "off":
+        with CpuMemoryMonitor(None) as monitor, autocast:
+            out = model(input_ids=ids)
+            kept = monitor.live_bytes
+        del out
+        return kept
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            saved[storage.data_ptr()] = max(saved.get(storage.data_ptr(), 0), storage.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+        out = model(input_ids=ids)
+    del out
+    return sum(saved.values())
+
+
+def _one_layer_one_sequence(model_cfg: dict[str, Any], config: dict[str, Any]) -> int:
+    def at(layers: int, micro: int) -> int:
+        return _kept(model_cfg, config, layers, micro)
+
+    return (at(2, 2) - at(2, 1)) - (at(1, 2) - at(1, 1))
+
+
+@pytest.mark.parametrize(
+    ("name", "config", "measured_error"),
+    CASES,
+    ids=[f"{n}-{'-'.join(f'{k}={v}' for k, v in c.items()) or 'fp32'}" for n, c, _ in CASES],
+)
+def test_layer_activations_against_saved_tensors(
+    name: str, config: dict[str, Any], measured_error: float
+) -> None:
+    model_cfg = MODELS[name]
+    measured = _one_layer_one_sequence(model_cfg, config)
+    estimate = layer_activation_bytes(stats_of(model_cfg), config, SEQ, 1)
+    # linear in the micro-batch, as the measured double difference is
+    assert layer_activation_bytes(stats_of(model_cfg), config, SEQ, 3) == 3 * estimate
+    tolerance = max(0.01, 2 * abs(measured_error))
+    assert estimate == pytest.approx(measured, rel=tolerance), estimate / measured - 1
+
+
+@pytest.mark.parametrize(
+    ("name", "config"), [pytest.param(n, c, marks=pytest.mark.xfail(strict=True)) for n, c in GAPS]
+)
+def test_known_gaps_beyond_ten_percent(name: str, config: dict[str, Any]) -> None:
+    model_cfg = MODELS[name]
+    measured = _one_layer_one_sequence(model_cfg, config)
+    estimate = layer_activation_bytes(stats_of(model_cfg), config, SEQ, 1)
+    assert estimate == pytest.approx(measured, rel=0.10)
+
+
+CHECKPOINTED = [
+    {"gradient_checkpointing": "full"},
+    {"gradient_checkpointing": "full", "checkpoint_save": "attention"},
+    {"gradient_checkpointing": "full", "checkpoint_save": "matmuls"},
+    {"gradient_checkpointing": "full", "checkpoint_save": "matmuls", **BF16},
+    {"gradient_checkpointing": "full", "checkpoint_save": "attention", **BF16},
+]
+
+
+@pytest.mark.parametrize("config", CHECKPOINTED, ids=lambda c: "-".join(map(str, c.values())))
+@pytest.mark.parametrize("name", ["tiny-llama", "qwen2"])
+def test_checkpointed_layer_keeps_its_input_and_the_saved_ops(
+    name: str, config: dict[str, Any]
+) -> None:
+    model_cfg = MODELS[name]
+    st = stats_of(model_cfg)
+    measured = _one_layer_one_sequence(model_cfg, config)
+    layer_input = 4 * st.hidden * SEQ  # the residual stream stays fp32 under autocast
+    assert layer_input + saved_op_bytes(st, config, SEQ, 1) == measured
+
+
+def test_saved_ops_need_checkpointing() -> None:
+    st = stats_of(TINY)
+    assert saved_op_bytes(st, {"checkpoint_save": "matmuls"}, SEQ, 1) == 0
+    assert saved_op_bytes(st, {"gradient_checkpointing": "full"}, SEQ, 1) == 0
+
+
+def test_the_tracker_sees_what_the_hooks_see() -> None:
+    """The checkpointed cases' oracle, checked on a plain layer against the hooks."""
+    hooks = _one_layer_one_sequence(TINY, {})
+
+    def live(layers: int, micro: int) -> int:
+        cfg = {**TINY, "num_hidden_layers": layers}
+        model = build_model(cfg, "sdpa", 0)
+        model.train()
+        ids = torch.randint(0, 256, (micro, SEQ), generator=torch.Generator().manual_seed(0))
+        with CpuMemoryMonitor(None) as monitor:
+            out = model(input_ids=ids)
+            kept = monitor.live_bytes
+        del out
+        return kept
+
+    assert (live(2, 2) - live(2, 1)) - (live(1, 2) - live(1, 1)) == hooks
