@@ -31,6 +31,11 @@ def _deepspeed_table(
     return rows
 
 
+#: measured agreement with DeepSpeed's printed tables over every case below: 0.35% at worst
+#: (its figures are rounded to 0.01 GB); the tests allow twice it
+DS_AGREEMENT = 0.007
+
+
 def _ours(model: str, n: int, **config: object) -> tuple[int, int]:
     cfg = {"precision": "bf16", "optimizer": "adamw", **config}
     states = model_states(REGISTRY[model].config, cfg, n, zero_init=bool(config.pop("zi", 1)))
@@ -56,8 +61,8 @@ def test_zero1_and_zero2_match_deepspeed(
                 # stage 1 keeps the whole 16-bit gradients: DeepSpeed's stage-2 figure plus
                 # the 2 Psi (1 - 1/N) that stage 2 shards away (the same on one GPU)
                 ds_gpu += 2 * psi * (1 - 1 / n)
-            assert gpu == pytest.approx(ds_gpu, rel=0.03), (stage, offload)
-            assert host == pytest.approx(ds_host, rel=0.03), (stage, offload)
+            assert gpu == pytest.approx(ds_gpu, rel=DS_AGREEMENT), (stage, offload)
+            assert host == pytest.approx(ds_host, rel=DS_AGREEMENT), (stage, offload)
 
 
 @pytest.mark.parametrize("model", ["llama-7b", "llama-70b", "mixtral-8x7b"])
@@ -79,8 +84,8 @@ def test_zero3_matches_deepspeed(model: str, n: int, capsys: pytest.CaptureFixtu
                 model, n, zero_stage=3, offload_param=p_off, offload_optimizer=o_off, zi=zi
             )
             ds_host, ds_gpu = ds[f"offload_param={p_off},offload_optimizer={o_off},zero_init={zi}"]
-            assert gpu == pytest.approx(ds_gpu, rel=0.03), (p_off, o_off, zi)
-            assert host == pytest.approx(ds_host, rel=0.03), (p_off, o_off, zi)
+            assert gpu == pytest.approx(ds_gpu, rel=DS_AGREEMENT), (p_off, o_off, zi)
+            assert host == pytest.approx(ds_host, rel=DS_AGREEMENT), (p_off, o_off, zi)
 
 
 def test_issue_numbers_llama7b_one_gpu() -> None:
