@@ -61,6 +61,7 @@ MODELS = {
     "mixtral": MIXTRAL,
 }
 BF16 = {"precision": "bf16"}  # autocast over fp32 weights
+FP16 = {"precision": "fp16"}
 PURE16 = {"precision": "bf16", "zero_stage": 2}  # DeepSpeed's 16-bit model
 EAGER = {"attention": "eager"}
 
@@ -70,6 +71,7 @@ CASES: list[tuple[str, dict[str, Any], float]] = [
     ("tiny-llama", EAGER, +0.0467),
     ("tiny-llama", BF16, +0.0703),
     ("tiny-llama", {**BF16, **EAGER}, +0.0678),
+    ("tiny-llama", FP16, +0.0703),
     ("tiny-llama", PURE16, +0.0199),
     ("qwen2", {}, +0.0600),
     ("qwen2", EAGER, -0.0017),
@@ -104,10 +106,9 @@ def _kept(model_cfg: dict[str, Any], config: dict[str, Any], layers: int, micro:
     CHECKPOINTING.apply(model, config, torch.device("cpu"))
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     ids = torch.randint(0, 256, (micro, SEQ), generator=torch.Generator().manual_seed(0))
+    dtype = torch.float16 if config.get("precision") == "fp16" else torch.bfloat16
     autocast = (
-        torch.autocast("cpu", dtype=torch.bfloat16)
-        if half and not model16
-        else contextlib.nullcontext()
+        torch.autocast("cpu", dtype=dtype) if half and not model16 else contextlib.nullcontext()
     )
     if config.get("gradient_checkpointing", "off") != "off":
         with CpuMemoryMonitor(None) as monitor, autocast:
@@ -169,11 +170,28 @@ CHECKPOINTED = [
     {"gradient_checkpointing": "full", "checkpoint_save": "matmuls"},
     {"gradient_checkpointing": "full", "checkpoint_save": "matmuls", **BF16},
     {"gradient_checkpointing": "full", "checkpoint_save": "attention", **BF16},
+    {"gradient_checkpointing": "full", "checkpoint_save": "matmuls", **FP16},
 ]
 
 
-@pytest.mark.parametrize("config", CHECKPOINTED, ids=lambda c: "-".join(map(str, c.values())))
-@pytest.mark.parametrize("name", ["tiny-llama", "qwen2"])
+#: Mixtral under ``checkpoint_save: matmuls``: the estimate counts each routed expert's matmul
+#: outputs as kept, the measured layer keeps none of them (41,984 B against 107,008 B in fp32:
+#: transformers 5 runs the experts through ops the policy does not name) but keeps the router's
+#: logits. Strict: fixing the estimate for MoE makes these pass.
+MOE_MATMULS = pytest.mark.xfail(strict=True, reason="experts' matmul outputs are not kept")
+
+
+def _checkpointed_cases() -> list[Any]:
+    cases = []
+    for name in ("tiny-llama", "qwen2", "gpt2-no-dropout", "mixtral"):
+        for config in CHECKPOINTED:
+            moe = name == "mixtral" and config.get("checkpoint_save") == "matmuls"
+            label = f"{name}-" + "-".join(map(str, config.values()))
+            cases.append(pytest.param(name, config, marks=[MOE_MATMULS] if moe else [], id=label))
+    return cases
+
+
+@pytest.mark.parametrize(("name", "config"), _checkpointed_cases())
 def test_checkpointed_layer_keeps_its_input_and_the_saved_ops(
     name: str, config: dict[str, Any]
 ) -> None:
@@ -182,6 +200,7 @@ def test_checkpointed_layer_keeps_its_input_and_the_saved_ops(
     measured = _one_layer_one_sequence(model_cfg, config)
     layer_input = 4 * st.hidden * SEQ  # the residual stream stays fp32 under autocast
     assert layer_input + saved_op_bytes(st, config, SEQ, 1) == measured
+    assert saved_op_bytes(st, config, SEQ, 2) == 2 * saved_op_bytes(st, config, SEQ, 1)
 
 
 def test_saved_ops_need_checkpointing() -> None:
