@@ -96,3 +96,47 @@ def test_issue_numbers_llama7b_one_gpu() -> None:
     assert host / GIB == pytest.approx(150.6, abs=0.5)
     host, gpu = _ours("llama-7b", 1, zero_stage=3, offload_optimizer="cpu", offload_param="cpu")
     assert gpu / GIB < 1 and host / GIB == pytest.approx(169.4, abs=0.5)
+
+
+def test_zero_moments_sum_their_phases() -> None:
+    """Which phases a rank holds at each moment, on hand-made phases (``Phases``' docstring)."""
+    from autotune.estimator.states import Phases, zero_states_at
+
+    phases = Phases(
+        compute={"parameters": 1, "gradients": 2},
+        accumulated={"gradients": 10, "temporaries": 20},
+        backward={"temporaries": 100},
+        step={"optimizer_states": 1000, "parameters": 3},
+    )
+    zero = {"parameters": 0, "gradients": 0, "optimizer_states": 0, "temporaries": 0}
+    at = zero_states_at
+    assert at(phases, "optimizer step", 4) == {**zero, "optimizer_states": 1000, "parameters": 3}
+    end = {**zero, "parameters": 1, "gradients": 12, "temporaries": 120}
+    assert at(phases, "end of backward", 1) == end
+    assert at(phases, "forward", 1) == {**zero, "parameters": 1, "gradients": 2}
+    assert at(phases, "forward", 2) == {**zero, "parameters": 1, "gradients": 12, "temporaries": 20}
+    assert at(phases, "start of backward", 1) == at(phases, "forward", 1)
+
+
+def test_reduce_bucket_as_deepspeed_sizes_it() -> None:
+    """The gradient bucket: ``reduce_bucket_size`` elements of the gradients' dtype, DeepSpeed's
+    default read from its own config class; two with ``overlap_comm`` (stages 1-2), none without
+    ``contiguous_gradients``; stage 3 makes one."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    tiny = REGISTRY["tiny-llama"].config
+
+    def bucket(stage: int, **config: object) -> int:
+        phases = model_states(tiny, {"zero_stage": stage, **config}, 2).phases
+        assert phases is not None
+        if stage == 1:
+            return phases.accumulated["temporaries"]
+        return (phases.backward if stage == 2 else phases.compute)["temporaries"]
+
+    assert bucket(2, precision="bf16") == 2 * DeepSpeedZeroConfig().reduce_bucket_size
+    assert bucket(2, reduce_bucket_size=1000) == 4000  # fp32 gradients
+    assert bucket(2, reduce_bucket_size=1000, overlap_comm=True) == 8000
+    assert bucket(2, reduce_bucket_size=1000, contiguous_gradients=False) == 0
+    assert bucket(1, reduce_bucket_size=1000, precision="bf16") == 2000
+    assert bucket(3, reduce_bucket_size=1000, overlap_comm=True) == 4000
+    assert bucket(3, reduce_bucket_size=1000, contiguous_gradients=False) == 4000
