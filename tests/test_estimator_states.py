@@ -37,15 +37,16 @@ DS_AGREEMENT = 0.007
 
 
 def _ours(model: str, n: int, **config: object) -> tuple[int, int]:
-    cfg = {"precision": "bf16", "optimizer": "adamw", **config}
+    cfg = {"precision": "bf16", "optimizer": "adamw", **config}  # DeepSpeed's: 16-bit Adam
     states = model_states(REGISTRY[model].config, cfg, n, zero_init=bool(config.pop("zi", 1)))
     return states.host_bytes, states.gpu_bytes
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
 @pytest.mark.parametrize("model", ["llama-7b", "llama-70b", "mixtral-8x7b"])
 @pytest.mark.parametrize("n", [1, 8])
 def test_zero1_and_zero2_match_deepspeed(
-    model: str, n: int, capsys: pytest.CaptureFixture[str]
+    model: str, n: int, precision: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from deepspeed.runtime.zero.stage_1_and_2 import (
         estimate_zero2_model_states_mem_needs_all_cold,
@@ -55,7 +56,9 @@ def test_zero1_and_zero2_match_deepspeed(
     ds = _deepspeed_table(estimate_zero2_model_states_mem_needs_all_cold, psi, n, capsys=capsys)
     for offload, key in (("cpu", "offload_optimizer=cpu"), ("none", "offload_optimizer=none")):
         for stage in (1, 2):
-            host, gpu = _ours(model, n, zero_stage=stage, offload_optimizer=offload)
+            host, gpu = _ours(
+                model, n, zero_stage=stage, offload_optimizer=offload, precision=precision
+            )
             ds_host, ds_gpu = ds[key]
             if stage == 1 and offload == "none":
                 # stage 1 keeps the whole 16-bit gradients: DeepSpeed's stage-2 figure plus
