@@ -110,7 +110,12 @@ def test_every_field_is_the_stored_attribute(tmp_path: Path) -> None:
 
 def test_defaults_of_a_bare_record(tmp_path: Path) -> None:
     study = _study(tmp_path)
-    n = _add(study, TrialState.COMPLETE, {"status": "oom", "config": {"precision": "fp32"}})
+    verdict = {"via": "probe", "ok": True, "regression": 0.0}  # stored, but the trial did not end
+    n = _add(
+        study,
+        TrialState.COMPLETE,
+        {"status": "oom", "config": {"precision": "fp32"}, "loss_verdict": verdict},
+    )
     row = _row(study, n)
     assert row.status == "oom"
     assert (row.peak_bytes, row.tokens_per_s) == (0, 0.0)

@@ -116,7 +116,7 @@ def test_loaded_machine_warning_thresholds() -> None:
     assert machine_load(ignored) == ""
 
 
-def _study(tmp_path: Path, trials: list[dict[str, Any]]) -> optuna.Study:
+def _study(tmp_path: Path, trials: list[dict[str, Any]], allow: str = "adapters") -> optuna.Study:
     settings = StudySettings(
         model="tiny-llama",
         model_config={},
@@ -126,7 +126,7 @@ def _study(tmp_path: Path, trials: list[dict[str, Any]]) -> optuna.Study:
         seq_len=64,
         global_batch_size=8,
         space={},
-        allow="adapters",
+        allow=allow,
     )
     study = create_or_load(open_storage(f"sqlite:///{tmp_path / 'db.sqlite'}"), "r", settings)
     for attrs in trials:
@@ -148,6 +148,8 @@ def test_closest_miss_is_the_smallest_measured_peak(tmp_path: Path) -> None:
             {"status": "oom", "peak_bytes": 120 * MB, "pruned_by_estimate": True},  # never run
             {"status": "failed", "peak_bytes": 110 * MB},
             {"status": "ok", "peak_bytes": 90 * MB, "loss_verdict": {"via": "probe", "ok": False}},
+            # over the budget and regressing: not counted as "fits but regresses"
+            {"status": "ok", "peak_bytes": 400 * MB, "loss_verdict": {"via": "probe", "ok": False}},
         ],
     )
     sel = select(study)
@@ -156,10 +158,43 @@ def test_closest_miss_is_the_smallest_measured_peak(tmp_path: Path) -> None:
     assert sel.closest is not None and sel.closest.number == 5
     assert selection_json(study)["closest"] == 5
     full = sel.classes["full"]
-    assert (full.tried, full.regressed) == (5, 1)  # ok and oom (predicted too); one regresses
+    assert full.group == "full"
+    assert (full.tried, full.regressed) == (6, 1)  # ok and oom (predicted too); one regresses
     lines = class_summary(sel, str)
-    assert lines[0].endswith("5 tried, none passes: 1 fit 100 MiB but regress the loss")
+    assert lines[0].endswith("6 tried, none passes: 1 fit 100 MiB but regress the loss")
     assert lines[1].endswith(": not tried")
+    assert len(lines) == 4
+
+
+def test_closest_miss_may_be_an_oom(tmp_path: Path) -> None:
+    study = _study(
+        tmp_path,
+        [
+            {"status": "ok", "peak_bytes": 300 * MB, "tokens_per_s": 10.0},
+            {"status": "oom", "peak_bytes": 101 * MB},
+        ],
+    )
+    sel = select(study)
+    assert sel.closest is not None and sel.closest.number == 1
+    assert class_summary(sel, str)[0].endswith(": 2 tried, none fits 100 MiB")
+
+
+def test_not_searched_groups_are_named_and_the_rest_follow(tmp_path: Path) -> None:
+    study = _study(
+        tmp_path, [{"status": "ok", "peak_bytes": 10 * MB, "tokens_per_s": 10.0}], allow="mixed"
+    )
+    lines = class_summary(select(study), str)
+    assert len(lines) == 4 and "trial 0" in lines[0]
+    assert lines[1].endswith("not searched (--allow reduced_state includes it)")
+    assert lines[3].endswith("not searched (--allow adapters includes it)")
+
+
+def test_selection_carries_the_load_warning(tmp_path: Path) -> None:
+    trials = [
+        {"status": "ok", "peak_bytes": 10 * MB, "tokens_per_s": 10.0 + i, "load_per_core": 3.0}
+        for i in range(3)
+    ]
+    assert "load 3.0 per core" in select(_study(tmp_path, trials)).load_warning
 
 
 def test_no_closest_when_a_winner_exists(tmp_path: Path) -> None:
