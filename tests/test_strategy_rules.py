@@ -12,7 +12,7 @@ from optuna.trial import TrialState
 from autotune.hardware import Hardware
 from autotune.runner import TrialRunner
 from autotune.space import SearchSpace
-from autotune.strategy import AutotuneSampler, Observation
+from autotune.strategy import AutotuneSampler, Observation, observations
 from autotune.study import Objective
 from tests.studies import make_study
 from tests.test_strategy import BUDGET, GRID, SPACE, prior
@@ -112,3 +112,39 @@ def test_an_identical_proposal_reuses_the_earlier_result(tmp_path: Path) -> None
     assert second.state == TrialState.COMPLETE
     assert second.user_attrs["tokens_per_s"] == first.user_attrs["tokens_per_s"] == 1234.0
     assert second.user_attrs["peak_bytes"] == first.user_attrs["peak_bytes"]
+
+
+def test_observations_are_the_finished_records() -> None:
+    """What the sampler learns from: completed trials with a configuration and a measured
+    status, each field as stored; an estimator-pruned OOM is a ``predicted_oom`` (it implies
+    nothing about other configurations)."""
+    study = _study(AutotuneSampler(GRID, prior, BUDGET))
+    cfg = {"precision": "bf16", "micro_batch_size": 2}
+
+    def add(state: TrialState, attrs: dict) -> None:
+        values = [1.0, 1.0] if state == TrialState.COMPLETE else None
+        study.add_trial(optuna.trial.create_trial(state=state, values=values, user_attrs=attrs))
+
+    add(
+        TrialState.COMPLETE,
+        {
+            "config": cfg,
+            "status": "ok",
+            "peak_bytes": 123,
+            "tokens_per_s": 4.5,
+            "loss_regression": 0.25,
+        },
+    )
+    add(TrialState.COMPLETE, {"config": cfg, "status": "oom", "peak_bytes": 77})
+    add(TrialState.COMPLETE, {"config": cfg, "status": "oom", "pruned_by_estimate": True})
+    add(TrialState.COMPLETE, {"config": cfg, "status": "failed"})
+    add(TrialState.COMPLETE, {"config": cfg, "status": "pruned"})  # not a measurement
+    add(TrialState.COMPLETE, {"status": "ok", "peak_bytes": 1})  # no configuration stored
+    add(TrialState.FAIL, {"config": cfg, "status": "ok", "peak_bytes": 1})  # controller died
+    add(TrialState.RUNNING, {"config": cfg, "status": "ok"})
+    got = observations(study)
+    assert [o.status for o in got] == ["ok", "oom", "predicted_oom", "failed"]
+    assert all(o.config == cfg for o in got)
+    assert (got[0].peak_bytes, got[0].tokens_per_s, got[0].loss_regression) == (123.0, 4.5, 0.25)
+    assert (got[1].peak_bytes, got[1].tokens_per_s, got[1].loss_regression) == (77.0, 0.0, None)
+    assert got[2].peak_bytes == 0.0
