@@ -33,3 +33,22 @@ def make_study(
         confirm_rounds=0,
     )
     return create_or_load(open_storage(storage_url), name, settings)
+
+
+def records_study(
+    storage_url: str, name: str, budget_bytes: int, budget_label: str, allow: str = "adapters"
+) -> optuna.Study:
+    """An empty tiny-llama study (no space, no model config) for tests that write trial records
+    by hand and read decisions back."""
+    settings = StudySettings(
+        model="tiny-llama",
+        model_config={},
+        budget_bytes=budget_bytes,
+        budget_label=budget_label,
+        backend="cpu",
+        seq_len=64,
+        global_batch_size=8,
+        space={},
+        allow=allow,
+    )
+    return create_or_load(open_storage(storage_url), name, settings)

@@ -42,17 +42,7 @@ QWEN = {
 }
 GPT2 = {"model_type": "gpt2", "vocab_size": 300, "n_embd": 64, "n_layer": 2, "n_head": 4}
 GPT2_NO_DROPOUT = {**GPT2, "resid_pdrop": 0.0, "attn_pdrop": 0.0, "embd_pdrop": 0.0}
-MIXTRAL = {
-    "model_type": "mixtral",
-    "vocab_size": 300,
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "num_local_experts": 4,
-    "num_experts_per_tok": 2,
-}
+MIXTRAL = {**QWEN, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2}
 MODELS = {
     "tiny-llama": TINY,
     "qwen2": QWEN,

@@ -14,8 +14,7 @@ import pytest
 from optuna.trial import TrialState
 
 from autotune.selector import STALE, Row, rows_of
-from autotune.storage import open_storage
-from autotune.study import StudySettings, create_or_load
+from tests.studies import records_study
 
 BUDGET = 100_000_000
 #: every attribute the trial job and the controller store, with values unlike any default
@@ -45,17 +44,7 @@ FULL: dict[str, Any] = {
 
 
 def _study(tmp_path: Path, remeasured: dict[str, list[float]] | None = None) -> optuna.Study:
-    settings = StudySettings(
-        model="tiny-llama",
-        model_config={},
-        budget_bytes=BUDGET,
-        budget_label="100MB",
-        backend="cpu",
-        seq_len=64,
-        global_batch_size=8,
-        space={},
-    )
-    study = create_or_load(open_storage(f"sqlite:///{tmp_path / 'db.sqlite'}"), "rows", settings)
+    study = records_study(f"sqlite:///{tmp_path / 'db.sqlite'}", "rows", BUDGET, "100MB")
     if remeasured is not None:
         study.set_user_attr("remeasured", remeasured)
     return study

@@ -21,8 +21,7 @@ from autotune.selector import (
     select,
     selection_json,
 )
-from autotune.storage import open_storage
-from autotune.study import StudySettings, create_or_load
+from tests.studies import records_study
 
 MB = 2**20
 
@@ -117,18 +116,8 @@ def test_loaded_machine_warning_thresholds() -> None:
 
 
 def _study(tmp_path: Path, trials: list[dict[str, Any]], allow: str = "adapters") -> optuna.Study:
-    settings = StudySettings(
-        model="tiny-llama",
-        model_config={},
-        budget_bytes=100 * MB,
-        budget_label="100MB",
-        backend="cpu",
-        seq_len=64,
-        global_batch_size=8,
-        space={},
-        allow=allow,
-    )
-    study = create_or_load(open_storage(f"sqlite:///{tmp_path / 'db.sqlite'}"), "r", settings)
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    study = records_study(url, "r", 100 * MB, "100MB", allow)
     for attrs in trials:
         study.add_trial(
             optuna.trial.create_trial(
