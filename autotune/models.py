@@ -329,6 +329,19 @@ class ModelStats:
     resid_dropout: float = 0.0  # dropout on each residual branch (GPT-2's resid_pdrop)
     embd_dropout: float = 0.0
     attn_dropout: float = 0.0
+    #: how the layer's norms keep their input: "rms" (llama's RMSNorm: its input and the
+    #: normalised copy, scaled in the input's dtype), "rms_fp32" (Gemma's: scaled in fp32) or
+    #: "layer" (``nn.LayerNorm``: the input only)
+    norm: str = "rms"
+    norms: int = 2  # per layer (Gemma 2 has four)
+    shared_norm_input: bool = False  # parallel residual: both norms read the same tensor
+    qk_norm: bool = False  # an RMSNorm on q and k (Qwen3)
+    attn_softcap: bool = False  # tanh-capped attention scores (Gemma 2)
+    qkv_projections: int = 3  # linear layers making q, k and v (1 when fused, as GPT-2's c_attn)
+    mlp_in_projections: int = 2  # linear layers reading the MLP's input (gate and up, fused: 1)
+    rotary: bool = True  # rotary position embeddings (q and k rewritten before attention)
+    #: eager attention takes its softmax in fp32 and casts it back (all but GPT-2 here)
+    softmax_fp32: bool = True
 
     @property
     def active_params(self) -> int:
@@ -378,6 +391,8 @@ def model_stats(cfg_json: str, source: str = "model config") -> ModelStats:
     largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
     h = int(config.hidden_size)
     heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or h // heads)
     inter = (
         (getattr(config, "moe_intermediate_size", None) if experts else None)
         or getattr(config, "intermediate_size", None)
@@ -397,8 +412,8 @@ def model_stats(cfg_json: str, source: str = "model config") -> ModelStats:
         hidden=h,
         layers=int(config.num_hidden_layers),
         heads=heads,
-        kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
-        head_dim=int(getattr(config, "head_dim", None) or h // heads),
+        kv_heads=kv_heads,
+        head_dim=head_dim,
         intermediate=int(inter),
         vocab=int(config.vocab_size),
         gated_mlp="gate" in names,
@@ -413,7 +428,63 @@ def model_stats(cfg_json: str, source: str = "model config") -> ModelStats:
         resid_dropout=_rate(config, "resid_pdrop", "hidden_dropout"),
         embd_dropout=_rate(config, "embd_pdrop"),
         attn_dropout=_rate(config, "attn_pdrop", "attention_dropout"),
+        **_layout(model, config, layer, h, (heads + 2 * kv_heads) * head_dim, int(inter)),
     )
+
+
+def _layout(
+    model: Any, config: Any, layer: Any, hidden: int, qkv: int, inter: int
+) -> dict[str, Any]:
+    """How the layer is laid out, from its modules: what it keeps for backward depends on it
+    (the norms' kind, fused projections, rotary copies; ``activations.layer_activation_bytes``)."""
+    import torch
+
+    def widths(m: Any) -> tuple[int, int] | None:  # (in, out); GPT-2's Conv1D stores (in, out)
+        w = getattr(m, "weight", None)
+        if not isinstance(w, torch.Tensor) or w.dim() != 2 or isinstance(m, torch.nn.Embedding):
+            return None
+        rows, cols = int(w.shape[0]), int(w.shape[1])
+        return (cols, rows) if isinstance(m, torch.nn.Linear) else (rows, cols)
+
+    reading_hidden = [wd[1] for m in layer.modules() if (wd := widths(m)) and wd[0] == hidden]
+    fused_qkv = qkv in reading_hidden
+    rotary = any("Rotary" in type(m).__name__ for m in model.modules())
+    mlp_in = 1 if 2 * inter in reading_hidden else min(2, reading_hidden.count(inter))
+    norms = [
+        m
+        for n, m in layer.named_modules()
+        if "norm" in type(m).__name__.lower() and n.rsplit(".", 1)[-1] not in ("q_norm", "k_norm")
+    ]
+    if any(isinstance(m, torch.nn.LayerNorm) for m in norms):
+        norm = "layer"
+    elif any(type(m).__name__.startswith("Gemma") for m in norms):
+        norm = "rms_fp32"
+    else:
+        norm = "rms"
+    return {
+        "norm": norm,
+        "norms": len(norms) or 2,
+        "shared_norm_input": bool(getattr(config, "use_parallel_residual", False)),
+        "qk_norm": any(n.rsplit(".", 1)[-1] == "q_norm" for n, _ in layer.named_modules()),
+        "attn_softcap": getattr(config, "attn_logit_softcapping", None) is not None,
+        "qkv_projections": 1 if fused_qkv else 3,
+        "mlp_in_projections": mlp_in or 2,  # 0: experts in 3-D tensors, as the gated default
+        "rotary": rotary,
+        "softmax_fp32": _softmax_fp32(model),
+    }
+
+
+def _softmax_fp32(model: Any) -> bool:
+    """Whether the model's eager attention asks softmax for fp32 (read off its source: the
+    dtype of a tensor it keeps for backward is nowhere else to be had without running it)."""
+    import inspect
+    import sys
+
+    eager = getattr(sys.modules.get(type(model).__module__), "eager_attention_forward", None)
+    try:
+        return eager is None or "float32" in inspect.getsource(eager)
+    except (OSError, TypeError):
+        return True
 
 
 def _rate(config: Any, *keys: str) -> float:

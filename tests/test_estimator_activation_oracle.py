@@ -3,8 +3,9 @@
 The oracle is measured, not computed: a transformers model is run forward on the CPU and every
 tensor autograd saves for backward is caught by ``torch.autograd.graph.saved_tensors_hooks``
 (counted once per storage, the weights left out). The bytes of one layer for one sequence are
-a double difference, (2 layers - 1 layer) x (micro-batch 2 - micro-batch 1), so the embedding,
-the head, the logits and the weight casts that do not grow with the batch cancel. A
+a double difference, (2 layers - 1 layer) x (micro-batch 3 - micro-batch 2), so the embedding,
+the head, the logits and the weight casts that do not grow with the batch cancel (from a
+micro-batch of 2: at 1 some reshapes are views that larger batches copy, GPT-2's eager q). A
 checkpointed layer keeps what the checkpoint stores (its input and, per op, the saved ops'
 outputs), which no saved-tensor hook outside it sees: there the oracle is the live tensor bytes
 the forward leaves behind (the CPU trial backend's tracker; it agrees with the hooks to the byte
@@ -25,6 +26,7 @@ import torch
 
 from autotune.estimator.activations import layer_activation_bytes, saved_op_bytes
 from autotune.models import REGISTRY, stats_of
+from tests.test_estimator_models import FAMILIES
 from trials.build import build_model
 from trials.memory import CpuMemoryMonitor
 from trials.techniques.checkpointing import TECHNIQUE as CHECKPOINTING
@@ -49,37 +51,78 @@ MODELS = {
     "gpt2": GPT2,
     "gpt2-no-dropout": GPT2_NO_DROPOUT,
     "mixtral": MIXTRAL,
+    # the other layouts: fused q/k/v and gate/up with rotary (phi3), LayerNorm with a parallel
+    # residual (gpt_neox), four fp32 norms and capped scores (gemma2, eager only), q/k norms
+    **{n: {**FAMILIES[n], "vocab_size": 300} for n in ("phi3", "gpt_neox", "gemma2", "qwen3")},
 }
 BF16 = {"precision": "bf16"}  # autocast over fp32 weights
 FP16 = {"precision": "fp16"}
 PURE16 = {"precision": "bf16", "zero_stage": 2}  # DeepSpeed's 16-bit model
 EAGER = {"attention": "eager"}
 
-#: (model, configuration, estimate / measured - 1 as measured at seq 32; torch 2.13 CPU)
+#: (model, configuration, estimate / measured - 1 as measured at seq 32; torch 2.13 CPU,
+#: transformers 5)
 CASES: list[tuple[str, dict[str, Any], float]] = [
     ("tiny-llama", {}, +0.0470),
-    ("tiny-llama", EAGER, +0.0467),
     ("tiny-llama", BF16, +0.0703),
+    ("tiny-llama", PURE16, +0.0199),
+    ("tiny-llama", EAGER, +0.0467),
     ("tiny-llama", {**BF16, **EAGER}, +0.0678),
     ("tiny-llama", FP16, +0.0703),
-    ("tiny-llama", PURE16, +0.0199),
+    ("tiny-llama", {**PURE16, **EAGER}, +0.0200),
     ("qwen2", {}, +0.0600),
-    ("qwen2", EAGER, -0.0017),
-    ("qwen2", {**BF16, **EAGER}, +0.0323),
-    ("qwen2", {**PURE16, **EAGER}, -0.0234),
-    ("gpt2", {}, -0.0711),  # gelu_new's saved temporaries and the dropout masks
-    ("gpt2-no-dropout", {}, +0.0290),
+    ("qwen2", BF16, +0.0817),
+    ("qwen2", PURE16, +0.0182),
+    ("qwen2", EAGER, +0.0537),
+    ("qwen2", {**BF16, **EAGER}, +0.0667),
+    ("qwen2", {**PURE16, **EAGER}, +0.0182),
     ("mixtral", {}, -0.0926),
+    ("mixtral", BF16, -0.0775),
     ("mixtral", PURE16, -0.0793),
+    ("mixtral", EAGER, -0.0808),
+    ("mixtral", {**BF16, **EAGER}, -0.0655),
+    ("mixtral", {**PURE16, **EAGER}, -0.0601),
+    ("gpt2", {}, -0.0711),  # gelu_new's saved temporaries and the dropout masks
+    ("gpt2", EAGER, -0.0017),
+    ("gpt2", {**BF16, **EAGER}, +0.0966),
+    ("gpt2", {**PURE16, **EAGER}, +0.0121),
+    ("gpt2-no-dropout", {}, +0.0290),
+    ("gpt2-no-dropout", BF16, +0.0543),
+    ("gpt2-no-dropout", PURE16, +0.0104),
+    ("gpt2-no-dropout", EAGER, +0.0312),
+    ("gpt2-no-dropout", {**BF16, **EAGER}, +0.0519),
+    ("gpt2-no-dropout", {**PURE16, **EAGER}, +0.0146),
+    ("phi3", {}, -0.0020),
+    ("phi3", BF16, +0.0325),
+    ("phi3", PURE16, -0.0230),
+    ("phi3", EAGER, +0.0452),
+    ("phi3", {**BF16, **EAGER}, +0.0709),
+    ("phi3", {**PURE16, **EAGER}, +0.0182),
+    ("gpt_neox", {}, -0.0035),
+    ("gpt_neox", BF16, +0.0458),
+    ("gpt_neox", PURE16, -0.0328),
+    ("gpt_neox", EAGER, +0.0604),
+    ("gpt_neox", {**PURE16, **EAGER}, +0.0260),
+    ("gemma2", EAGER, +0.0362),
+    ("gemma2", {**BF16, **EAGER}, +0.0487),
+    ("gemma2", {**PURE16, **EAGER}, +0.0119),
+    ("qwen3", {}, +0.0397),
+    ("qwen3", BF16, +0.0577),
+    ("qwen3", PURE16, +0.0118),
+    ("qwen3", EAGER, +0.0378),
+    ("qwen3", {**BF16, **EAGER}, +0.0530),
+    ("qwen3", {**PURE16, **EAGER}, +0.0123),
 ]
 
-#: measured gaps beyond 10% (issue 12: any decoder): GPT-2's eager attention is estimated 12-37%
-#: over, Mixtral under autocast 33% under (each expert casts its own inputs to 16 bits). Strict:
-#: an estimator that closes a gap makes its case pass and this list must shrink.
+#: measured gaps beyond 10%. GPT-2 with its attention dropout in 16 bits: the CPU has no fused
+#: attention kernel with dropout and sdpa falls back to its math path, which keeps the scores in
+#: fp32 (estimated 21-26% under; a GPU's flash kernel fuses the dropout, as the estimate
+#: counts). GPT-NeoX's eager attention under autocast: 10.2% over. Strict: an estimator that
+#: closes a gap makes its case pass and this list must shrink.
 GAPS: list[tuple[str, dict[str, Any]]] = [
-    ("gpt2", EAGER),
-    ("gpt2-no-dropout", {**BF16, **EAGER}),
-    ("mixtral", BF16),
+    ("gpt2", BF16),
+    ("gpt2", PURE16),
+    ("gpt_neox", {**BF16, **EAGER}),
 ]
 
 
@@ -124,7 +167,7 @@ def _one_layer_one_sequence(model_cfg: dict[str, Any], config: dict[str, Any]) -
     def at(layers: int, micro: int) -> int:
         return _kept(model_cfg, config, layers, micro)
 
-    return (at(2, 2) - at(2, 1)) - (at(1, 2) - at(1, 1))
+    return (at(2, 3) - at(2, 2)) - (at(1, 3) - at(1, 2))
 
 
 @pytest.mark.parametrize(
@@ -164,20 +207,12 @@ CHECKPOINTED = [
 ]
 
 
-#: Mixtral under ``checkpoint_save: matmuls``: the estimate counts each routed expert's matmul
-#: outputs as kept, the measured layer keeps none of them (41,984 B against 107,008 B in fp32:
-#: transformers 5 runs the experts through ops the policy does not name) but keeps the router's
-#: logits. Strict: fixing the estimate for MoE makes these pass.
-MOE_MATMULS = pytest.mark.xfail(strict=True, reason="experts' matmul outputs are not kept")
-
-
 def _checkpointed_cases() -> list[Any]:
     cases = []
-    for name in ("tiny-llama", "qwen2", "gpt2-no-dropout", "mixtral"):
+    for name in ("tiny-llama", "qwen2", "gpt2-no-dropout", "mixtral", "phi3", "gpt_neox", "qwen3"):
         for config in CHECKPOINTED:
-            moe = name == "mixtral" and config.get("checkpoint_save") == "matmuls"
             label = f"{name}-" + "-".join(map(str, config.values()))
-            cases.append(pytest.param(name, config, marks=[MOE_MATMULS] if moe else [], id=label))
+            cases.append(pytest.param(name, config, id=label))
     return cases
 
 
@@ -215,3 +250,21 @@ def test_the_tracker_sees_what_the_hooks_see() -> None:
         return kept
 
     assert (live(2, 2) - live(2, 1)) - (live(1, 2) - live(1, 1)) == hooks
+
+
+@pytest.mark.parametrize("precision", [{}, BF16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", ["tiny-llama", "qwen2", "mixtral", "qwen3"])
+def test_what_eager_attention_adds(name: str, precision: dict[str, Any]) -> None:
+    """Eager minus sdpa, measured and estimated: the scores (fp32 softmax and its 16-bit copy)
+    and, with grouped-query heads, k and v repeated to every query head. The whole-layer test's
+    tolerance (twice each case's error) is wider than these terms; their difference is not
+    (measured within 3.2%: the estimate leaves sdpa's log-sum-exp in)."""
+    model_cfg, st = MODELS[name], stats_of(MODELS[name])
+    eager = {**precision, **EAGER}
+    measured = _one_layer_one_sequence(model_cfg, eager) - _one_layer_one_sequence(
+        model_cfg, precision
+    )
+    estimate = layer_activation_bytes(st, eager, SEQ, 1) - layer_activation_bytes(
+        st, precision, SEQ, 1
+    )
+    assert estimate == pytest.approx(measured, rel=0.05)

@@ -30,18 +30,59 @@ def layer_activation_bytes(st: ModelStats, config: dict[str, Any], seq_len: int,
         per_token = 24 * h + 4 * h + 2 * (3 * q + 2 * kvw) + 2 * mlp_w
     else:
         per_token = 4 * (6 * h + 3 * q + 2 * kvw + mlp_w)
+    # the layouts the formula above was not fitted on (llama's) differ by what they keep
+    # (measured with saved-tensor hooks, tests/test_estimator_activation_oracle.py)
+    mode = "pure16" if pure16 else "autocast" if half else "fp32"
+    norm_bytes = NORM_BYTES[st.norm][mode] * h
+    per_token += st.norms * norm_bytes - 2 * NORM_BYTES["rms"][mode] * h
+    if st.shared_norm_input:  # parallel residual: one input for both norms
+        per_token -= NORM_INPUT_BYTES[mode] * h
+    if st.qk_norm:
+        per_token += NORM_BYTES["rms"]["pure16" if half else "fp32"] * (q + kvw)
+    if mode == "autocast":  # each projection casts its own copy of its input: fused ones once
+        per_token -= 2 * h * (3 - st.qkv_projections + 2 - st.mlp_in_projections)
+    eager = config.get("attention", "sdpa") == "eager"
+    if st.qkv_projections == 1 and not eager:
+        # q, k, v as views of one fused output: without rotary q keeps all of it alive and the
+        # CPU's attention kernel copies k and v; with it v keeps it (q and k are rewritten).
+        # Eager attention's batched matmuls copy all three, as the formula counts.
+        per_token += (2 if half else 4) * (q + kvw if st.rotary else 2 * kvw)
     if st.experts:
         per_token += 4 * 2 * st.experts + 4 * h  # router logits and softmax, routed copy
+        if mode == "autocast" and _fp32_experts(config):
+            per_token += 2 * mlp_w
     if st.resid_dropout > 0:  # two residual dropouts: their output and a 1-byte mask each
         per_token += 2 * ((2 if half else 4) + 1) * h
     total = per_token * tokens
-    if config.get("attention", "sdpa") == "eager":
+    if eager:
         scores = micro * st.heads * seq_len * seq_len
-        total += (6 if half else 4) * scores
+        # the softmax in fp32 and its 16-bit copy (a 16-bit model's plain softmax: one copy)
+        total += (4 if not half else 6 if st.softmax_fp32 or mode == "autocast" else 2) * scores
+        if kvw < q:  # grouped-query heads: repeat_kv copies k and v to every query head
+            total += (2 if half else 4) * 2 * (q - kvw) * tokens
+        if st.attn_softcap:  # tanh(scores / cap) keeps its output
+            total += (2 if half else 4) * scores
         if st.attn_dropout > 0:  # dropout on the probabilities: output and mask
             total += ((2 if half else 4) + 1) * scores
     return total
 
+
+def _fp32_experts(config: dict[str, Any]) -> bool:
+    """Under autocast over fp32 weights an MoE layer's experts compute in fp32: their grouped
+    matmul (``aten._grouped_mm``, transformers 5) has no autocast rule on CPU or CUDA. A
+    quantized model's base is 16-bit."""
+    return str(config.get("quantization", "none") or "none") == "none"
+
+
+#: bytes per hidden unit one norm keeps per token: llama's RMSNorm its input and the normalised
+#: copy (the input in fp32, the copy in the model's dtype), Gemma's both in fp32, a LayerNorm its
+#: input only (fp32 under autocast: the residual stream stays fp32)
+NORM_BYTES = {
+    "rms": {"fp32": 8, "autocast": 8, "pure16": 6},
+    "rms_fp32": {"fp32": 8, "autocast": 8, "pure16": 8},
+    "layer": {"fp32": 4, "autocast": 4, "pure16": 2},
+}
+NORM_INPUT_BYTES = {"fp32": 4, "autocast": 4, "pure16": 2}
 
 #: I-wide tensors an activation keeps beyond its input and output: GPT-2's ``gelu_new`` is
 #: written out in Python (tanh, 0.5x and 1 + tanh are saved for backward)
@@ -51,7 +92,8 @@ ACT_EXTRA_SAVED = {"gelu_new": 3}
 def saved_op_bytes(st: ModelStats, config: dict[str, Any], seq_len: int, micro: int) -> int:
     """Bytes a checkpointed layer keeps besides its input under ``checkpoint_save``: the
     attention kernel's output (and its fp32 log-sum-exp per head), and with ``matmuls`` every
-    projection's output too (q, k, v, o; gate and up, or up alone, per routed expert; down)."""
+    projection's output too (q, k, v, o; gate and up, or up alone, per routed expert; down; the
+    router's logits)."""
     save = saved_ops(config)
     if save == "none":
         return 0
@@ -61,5 +103,7 @@ def saved_op_bytes(st: ModelStats, config: dict[str, Any], seq_len: int, micro: 
     per_token = width * q + 4 * st.heads
     if save == "matmuls":
         mlp = ((2 if st.gated_mlp else 1) * st.intermediate + st.hidden) * max(1, st.top_k)
-        per_token += width * (q + 2 * kvw + st.hidden + mlp)
+        per_token += width * (q + 2 * kvw + st.hidden + mlp + st.experts)  # and router logits
+        if st.experts and half and not deepspeed_states(config) and _fp32_experts(config):
+            per_token += 2 * mlp
     return per_token * seq_len * micro

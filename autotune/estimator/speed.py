@@ -80,8 +80,8 @@ OPTIMIZER_STEP_BYTES = {
 }
 CPU_ADAM_BYTES = 30  # fp32 p, g, m, v read; p, m, v and the 16-bit copy written
 QUANT_BYTES = {"int8": 1.0, "nf4": 0.53}
-#: median |error| of the calibration (benchmarks/speed_calibration.py): speeds closer than this
-#: are not told apart
+#: speeds closer than this are not told apart: the calibration's median |error| rounded up
+#: (benchmarks/speed_calibration.py: 4.2%, in-sample)
 MODEL_ERROR = 0.06
 GB = 1e9
 

@@ -30,7 +30,8 @@ ATTENTION_OPS = (
     "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_cudnn_attention",
 )
-MATMUL_OPS = ("mm", "addmm", "bmm")
+#: ``_grouped_mm``: transformers 5 runs an MoE layer's experts as one grouped matmul
+MATMUL_OPS = ("mm", "addmm", "bmm", "_grouped_mm")
 SAVED_OPS: dict[str, tuple[str, ...]] = {
     "none": (),
     "attention": ATTENTION_OPS,
