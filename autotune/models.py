@@ -342,6 +342,8 @@ class ModelStats:
     rotary: bool = True  # rotary position embeddings (q and k rewritten before attention)
     #: eager attention takes its softmax in fp32 and casts it back (all but GPT-2 here)
     softmax_fp32: bool = True
+    #: linear weights stored (in, out): GPT-2's ``Conv1D`` (``shapes`` as stored)
+    weights_in_out: bool = False
 
     @property
     def active_params(self) -> int:
@@ -444,7 +446,7 @@ def _layout(
         if not isinstance(w, torch.Tensor) or w.dim() != 2 or isinstance(m, torch.nn.Embedding):
             return None
         rows, cols = int(w.shape[0]), int(w.shape[1])
-        return (cols, rows) if isinstance(m, torch.nn.Linear) else (rows, cols)
+        return (cols, rows) if isinstance(m, torch.nn.Linear) else (rows, cols)  # Conv1D: (in, out)
 
     reading_hidden = [wd[1] for m in layer.modules() if (wd := widths(m)) and wd[0] == hidden]
     fused_qkv = qkv in reading_hidden
@@ -471,6 +473,7 @@ def _layout(
         "mlp_in_projections": mlp_in or 2,  # 0: experts in 3-D tensors, as the gated default
         "rotary": rotary,
         "softmax_fp32": _softmax_fp32(model),
+        "weights_in_out": any(type(m).__name__ == "Conv1D" for m in layer.modules()),
     }
 
 

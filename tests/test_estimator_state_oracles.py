@@ -15,7 +15,7 @@ from torch import nn
 
 from autotune.estimator.states import model_states
 from autotune.models import REGISTRY
-from trials.techniques.quantization import add_lora
+from trials.techniques.quantization import add_lora, as_linear, replace_linears
 
 SMALL = {
     "tiny-llama": REGISTRY["tiny-llama"].config,
@@ -39,28 +39,22 @@ def _counted(model_cfg: dict, rank: int) -> tuple[int, int, int, int]:
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     total = sum(p.numel() for p in model.parameters())
-    quantized = rows = 0
-    for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] == "lm_head":
-            continue
-        if isinstance(module, nn.Linear):  # what quantization.replace_linears swaps
-            quantized += module.weight.numel()
-            rows += module.out_features
+    swapped: list[nn.Linear] = []
+
+    def record(linear: nn.Linear) -> nn.Linear:
+        swapped.append(linear)
+        return linear
+
+    replace_linears(model, record)  # the layers the job quantizes (GPT-2's Conv1D included)
+    quantized = sum(linear.weight.numel() for linear in swapped)
+    rows = sum(linear.out_features for linear in swapped)
     adapted = add_lora(model, rank=rank)
     lora = sum(p.numel() for p in adapted.parameters() if p.requires_grad)
     return total, quantized, rows, lora
 
 
-#: GPT-2's linear layers are ``Conv1D`` modules, which the job's ``replace_linears`` does not swap
-#: (it quantizes ``nn.Linear`` only), so its QLoRA trials train an fp32 base while the estimator
-#: counts those weights as quantized. Strict: fixing either side makes this pass.
-GPT2_GAP = pytest.mark.xfail(strict=True, reason="Conv1D is not quantized by the job")
-
-
 @pytest.mark.parametrize("rank", [8, 16])
-@pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=GPT2_GAP) if n == "gpt2" else n for n in SMALL]
-)
+@pytest.mark.parametrize("name", list(SMALL))
 def test_qlora_states_match_the_adapted_model(name: str, rank: int) -> None:
     model_cfg = SMALL[name]
     total, quantized, rows, lora = _counted(model_cfg, rank)
@@ -135,3 +129,20 @@ def test_plain_training_states_are_sixteen_bytes_per_parameter() -> None:
     # two processes on one host build two copies
     assert model_states(cfg, {}, 2).host["model copy at load"] == 8 * psi
     assert model_states(cfg, {}, 2, nodes=2).host["model copy at load"] == 4 * psi
+
+
+def test_a_conv1d_becomes_the_same_linear_layer() -> None:
+    """GPT-2's ``Conv1D`` (weight stored (in, out)) as the ``nn.Linear`` the job quantizes:
+    the same outputs and gradients."""
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(0)
+    conv = Conv1D(12, 8)  # 8 in, 12 out
+    torch.nn.init.normal_(conv.bias)
+    linear = as_linear(conv)
+    assert isinstance(linear, nn.Linear) and (linear.in_features, linear.out_features) == (8, 12)
+    x = torch.randn(3, 5, 8)
+    torch.testing.assert_close(linear(x), conv(x), rtol=0, atol=1e-6)
+    model = nn.Sequential(conv)
+    assert replace_linears(model, lambda lin: lin, skip=()) == 1
+    assert isinstance(model[0], nn.Linear)

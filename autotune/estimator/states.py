@@ -569,7 +569,7 @@ def _lora(st: ModelStats, r: int) -> tuple[int, tuple[Shape, ...], int, int]:
     if key not in _LORA:
         linear = [s for s in st.shapes if len(s) == 2 and numel(s) < st.vocab * st.hidden]
         quantized = sum(numel(s) for s in linear)
-        rows = sum(s[0] for s in linear)
+        rows = sum(s[1] if st.weights_in_out else s[0] for s in linear)
         lora_shapes: list[Shape] = []
         for out_f, in_f in linear:
             lora_shapes += [(r, in_f), (out_f, r)]

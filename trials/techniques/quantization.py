@@ -84,14 +84,33 @@ def _nf4_linear(linear: nn.Linear) -> nn.Module:
 def replace_linears(
     model: nn.Module, make: Callable[[nn.Linear], nn.Module], skip: tuple[str, ...] = ("lm_head",)
 ) -> int:
-    """Swap every ``nn.Linear`` (except ``skip``) for ``make(linear)``; return how many."""
+    """Swap every linear layer (except ``skip``) for ``make(linear)``; return how many. GPT-2's
+    ``Conv1D`` (transformers' linear layer with the weight stored transposed) is one too."""
     swapped = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if isinstance(child, nn.Linear) and name not in skip:
-                setattr(module, name, make(child))
+            linear = as_linear(child)
+            if linear is not None and name not in skip:
+                setattr(module, name, make(linear))
                 swapped += 1
     return swapped
+
+
+def as_linear(module: nn.Module) -> nn.Linear | None:
+    """``module`` as an ``nn.Linear`` computing the same thing, or None if it is no linear layer:
+    a ``Conv1D`` (``x @ W + b``, ``W`` stored (in, out)) becomes the linear layer of ``W.T``."""
+    if isinstance(module, nn.Linear):
+        return module
+    if type(module).__name__ != "Conv1D":
+        return None
+    w, bias = module.weight, module.bias
+    assert isinstance(w, torch.Tensor)
+    n_in, n_out = int(w.shape[0]), int(w.shape[1])
+    linear = nn.Linear(n_in, n_out, bias=bias is not None, device=w.device, dtype=w.dtype)
+    linear.weight = nn.Parameter(w.detach().t().contiguous(), requires_grad=w.requires_grad)
+    if isinstance(bias, torch.Tensor):
+        linear.bias = nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad)
+    return linear
 
 
 def _quantized(
