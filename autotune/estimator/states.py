@@ -417,8 +417,11 @@ def _phases3(
     # (``all_gather_coalesced`` takes ``_no_gather_coalesced``); otherwise the coordinator keeps
     # the persistent parameters gathered for good and, of the others, what is reused within
     # stage3_max_reuse_distance elements (``__params_to_release``), the module in use and what
-    # it prefetches (up to stage3_prefetch_bucket_size, within stage3_max_live_parameters)
-    if n == 1 and not off_param:
+    # it prefetches (up to stage3_prefetch_bucket_size, within stage3_max_live_parameters).
+    # One rank with its partition offloaded fetches it with ``ds_tensor.to(device)``
+    # (``NoGatherHandle``): a device copy on a GPU, the host partition itself where the
+    # accelerator is the CPU (the CPU trial backend)
+    if n == 1 and (not off_param or not cuda):
         persistent = working = 0
     else:
         persistent = persistent_params(st, DS_PERSISTENCE_THRESHOLD)
