@@ -55,6 +55,7 @@ MODELS = {
     # residual (gpt_neox), four fp32 norms and capped scores (gemma2, eager only), q/k norms
     **{n: {**FAMILIES[n], "vocab_size": 300} for n in ("phi3", "gpt_neox", "gemma2", "qwen3")},
 }
+MODELS["phi3-gqa"] = {**MODELS["phi3"], "num_key_value_heads": 2}  # v keeps the fused q/k/v
 BF16 = {"precision": "bf16"}  # autocast over fp32 weights
 FP16 = {"precision": "fp16"}
 PURE16 = {"precision": "bf16", "zero_stage": 2}  # DeepSpeed's 16-bit model
@@ -75,6 +76,7 @@ ERRORS: dict[str, tuple[float | None, ...]] = {
     "phi3": (-0.0020, +0.0325, -0.0230, +0.0452, +0.0709, +0.0182),
     "gpt_neox": (-0.0035, +0.0458, -0.0328, +0.0604, None, +0.0260),
     "gemma2": (None, None, None, +0.0362, +0.0487, +0.0119),
+    "phi3-gqa": (-0.0021, +0.0344, -0.0244, None, None, None),
     "qwen3": (+0.0397, +0.0577, +0.0118, +0.0378, +0.0530, +0.0123),
 }
 CASES: list[tuple[str, dict[str, Any], float]] = [
@@ -238,3 +240,17 @@ def test_what_eager_attention_adds(name: str, precision: dict[str, Any]) -> None
         st, precision, SEQ, 1
     )
     assert estimate == pytest.approx(measured, rel=0.05)
+
+
+@pytest.mark.parametrize("precision", [{}, BF16, PURE16], ids=["fp32", "bf16", "pure16"])
+def test_what_capped_scores_add(precision: dict[str, Any]) -> None:
+    """Gemma 2's eager attention with and without its logit soft-capping: the tanh keeps its
+    output, one score-sized tensor in the scores' dtype (measured: to the byte)."""
+    capped = MODELS["gemma2"]
+    plain = {**capped, "attn_logit_softcapping": None}
+    config = {**precision, **EAGER}
+    measured = _one_layer_one_sequence(capped, config) - _one_layer_one_sequence(plain, config)
+    estimate = layer_activation_bytes(stats_of(capped), config, SEQ, 1) - layer_activation_bytes(
+        stats_of(plain), config, SEQ, 1
+    )
+    assert estimate == measured > 0
