@@ -49,7 +49,7 @@ def layer_activation_bytes(st: ModelStats, config: dict[str, Any], seq_len: int,
         per_token += (2 if half else 4) * (q + kvw if st.rotary else 2 * kvw)
     if st.experts:
         per_token += 4 * 2 * st.experts + 4 * h  # router logits and softmax, routed copy
-        if mode == "autocast" and _fp32_experts(config):
+        if _fp32_experts(config):
             per_token += 2 * mlp_w
     if st.resid_dropout > 0:  # two residual dropouts: their output and a 1-byte mask each
         per_token += 2 * ((2 if half else 4) + 1) * h
@@ -69,9 +69,10 @@ def layer_activation_bytes(st: ModelStats, config: dict[str, Any], seq_len: int,
 
 def _fp32_experts(config: dict[str, Any]) -> bool:
     """Under autocast over fp32 weights an MoE layer's experts compute in fp32: their grouped
-    matmul (``aten._grouped_mm``, transformers 5) has no autocast rule on CPU or CUDA. A
-    quantized model's base is 16-bit."""
-    return str(config.get("quantization", "none") or "none") == "none"
+    matmul (``aten._grouped_mm``, transformers 5) has no autocast rule on CPU or CUDA. DeepSpeed's
+    model and a quantized model's base are 16-bit."""
+    autocast = config.get("precision", "fp32") in ("bf16", "fp16") and not deepspeed_states(config)
+    return autocast and str(config.get("quantization", "none") or "none") == "none"
 
 
 #: bytes per hidden unit one norm keeps per token: llama's RMSNorm its input and the normalised
@@ -104,6 +105,6 @@ def saved_op_bytes(st: ModelStats, config: dict[str, Any], seq_len: int, micro: 
     if save == "matmuls":
         mlp = ((2 if st.gated_mlp else 1) * st.intermediate + st.hidden) * max(1, st.top_k)
         per_token += width * (q + 2 * kvw + st.hidden + mlp + st.experts)  # and router logits
-        if st.experts and half and not deepspeed_states(config) and _fp32_experts(config):
+        if st.experts and _fp32_experts(config):
             per_token += 2 * mlp
     return per_token * seq_len * micro

@@ -89,8 +89,8 @@ def replace_linears(
     swapped = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            linear = as_linear(child)
-            if linear is not None and name not in skip:
+            linear = None if name in skip else as_linear(child)
+            if linear is not None:
                 setattr(module, name, make(linear))
                 swapped += 1
     return swapped
