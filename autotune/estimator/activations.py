@@ -10,12 +10,15 @@ from autotune.models import ModelStats
 from trials.techniques.checkpointing import saved_ops
 
 
-def layer_activation_bytes(st: ModelStats, config: dict[str, Any], seq_len: int, micro: int) -> int:
+def layer_activation_bytes(
+    st: ModelStats, config: dict[str, Any], seq_len: int, micro: int, cuda: bool = True
+) -> int:
     """Bytes one decoder layer keeps for backward (no checkpointing).
 
     The MLP keeps four ``I``-wide tensors when gated (gate, up, act(gate), product), two
     otherwise (the up projection and its activation); an MoE layer runs ``top_k`` experts per
-    token (balanced routing) and keeps its router logits.
+    token (balanced routing) and keeps its router logits. ``cuda``: on a GPU a dropout keeps a
+    1-byte mask; on the CPU (the CPU trial backend) its mask is in the input's dtype.
     """
     h, d = st.hidden, st.head_dim
     q, kvw = st.heads * d, st.kv_heads * d
@@ -51,20 +54,37 @@ def layer_activation_bytes(st: ModelStats, config: dict[str, Any], seq_len: int,
         per_token += 4 * 2 * st.experts + 4 * h  # router logits and softmax, routed copy
         if _fp32_experts(config):
             per_token += 2 * mlp_w
-    if st.resid_dropout > 0:  # two residual dropouts: their output and a 1-byte mask each
-        per_token += 2 * ((2 if half else 4) + 1) * h
+    mask = dropout_mask_bytes(2 if half else 4, cuda)
+    if st.resid_dropout > 0:  # two residual dropouts: a mask each (the residual add keeps none)
+        per_token += 2 * mask * h
     total = per_token * tokens
+    scores = micro * st.heads * seq_len * seq_len
+    if not eager and not cuda and st.attn_dropout > 0:
+        # The CPU's sdpa has no kernel with dropout: its math path (16-bit q, k, v upcast to
+        # fp32) keeps the fp32 softmax, the dropout's noise and its output per score, and no
+        # log-sum-exp; the q-wide terms as measured on GPT-2's fused q/k/v (to the byte at three
+        # shapes, tests/test_estimator_activation_oracle.py). A GPU's kernels fuse the dropout.
+        total += 12 * scores - 4 * st.heads * tokens + (2 if half else -8) * q * tokens
     if eager:
-        scores = micro * st.heads * seq_len * seq_len
         # the softmax in fp32 and its 16-bit copy (a 16-bit model's plain softmax: one copy)
-        total += (4 if not half else 6 if st.softmax_fp32 or mode == "autocast" else 2) * scores
+        cast_copy = half and (st.softmax_fp32 or mode == "autocast")
+        total += (4 if not half else 6 if cast_copy else 2) * scores
         if kvw < q:  # grouped-query heads: repeat_kv copies k and v to every query head
             total += (2 if half else 4) * 2 * (q - kvw) * tokens
         if st.attn_softcap:  # tanh(scores / cap) keeps its output
             total += (2 if half else 4) * scores
-        if st.attn_dropout > 0:  # dropout on the probabilities: output and mask
-            total += ((2 if half else 4) + 1) * scores
+        if st.attn_dropout > 0:
+            # dropout on the probabilities keeps its mask, and its output where the next matmul
+            # would otherwise have kept the softmax's own output (a 16-bit copy it replaces)
+            total += (mask + (0 if cast_copy else 2 if half else 4)) * scores
     return total
+
+
+def dropout_mask_bytes(width: int, cuda: bool) -> int:
+    """Bytes per element a dropout keeps for backward: CUDA's fused ``native_dropout`` a bool
+    mask; the CPU's ``dropout`` (no fused kernel) multiplies by a noise tensor of the input's
+    dtype and keeps that."""
+    return 1 if cuda else width
 
 
 def _fp32_experts(config: dict[str, Any]) -> bool:

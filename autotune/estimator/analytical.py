@@ -29,7 +29,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from autotune.estimator.activations import layer_activation_bytes, saved_op_bytes
+from autotune.estimator.activations import (
+    NORM_BYTES,
+    dropout_mask_bytes,
+    layer_activation_bytes,
+    saved_op_bytes,
+)
 from autotune.estimator.base import PARTS, Estimate, Estimator
 from autotune.estimator.gpus import GpuSpec
 from autotune.estimator.speed import roofline
@@ -86,7 +91,8 @@ class AnalyticalEstimator(Estimator):
         weight_cache = 2 * cached_params if half and not model16 else 0
         layer_weight_cache = 2 * layer_linear if half and not quantized else 0
 
-        per_layer = layer_activation_bytes(st, config, seq_len, micro)
+        cuda = gpu is not None
+        per_layer = layer_activation_bytes(st, config, seq_len, micro, cuda)
         stream = (2 if model16 and half else 4) * h * tokens  # a layer's input
         ckpt = str(config.get("gradient_checkpointing", "off"))
         every = {"off": 0, "full": 1}.get(ckpt, int(config.get("checkpoint_every", 2)))
@@ -95,10 +101,14 @@ class AnalyticalEstimator(Estimator):
         kept = n_ckpt * (stream + saved_op_bytes(st, config, seq_len, micro))
         kept += (layers - n_ckpt) * per_layer
         recompute = (per_layer + layer_weight_cache) if every else 0
-        # embedding output and the final norm (fp32 input, normalised, scaled, 16-bit copy)
-        head_acts = (4 + 4 + 4 + (2 if half else 0)) * h * tokens
-        if st.embd_dropout > 0:
-            head_acts += 5 * h * tokens
+        # the final norm (what the norm's kind keeps) and the head's input (its output, or under
+        # autocast its 16-bit copy); the embedding's output is the first layer's input
+        mode = "pure16" if model16 and half else "autocast" if half else "fp32"
+        final_norm = NORM_BYTES[st.norm][mode] * h * tokens
+        head_acts = final_norm + (2 if half else 4) * h * tokens
+        if st.embd_dropout > 0:  # its mask (the output is the first layer's input)
+            width = 2 if model16 and half else 4
+            head_acts += dropout_mask_bytes(width, cuda) * h * tokens
         # under autocast 16-bit logits plus the fp32 log-softmax; DeepSpeed's 16-bit model keeps
         # its 16-bit logits and the loss's fp32 upcast
         # (chunked cross-entropy: one slice's logits at a time, recomputed in backward)
@@ -119,15 +129,15 @@ class AnalyticalEstimator(Estimator):
         host_acts = 0
         if offloads_activations(config):
             # what the layers save goes to the host, up to the output layer (with the final
-            # norm's fp32 input and normalised output; the head's input stays), and backward
+            # norm's saved tensors; the head's input stays), and backward
             # brings one layer back at a time (with its recompute); per-op checkpointing's saved
             # ops stay in the checkpoint's own store, and autocast's cast cache still holds the
             # weight copies the layers save (their host copies are extra)
             saved_ops = n_ckpt * saved_op_bytes(st, config, seq_len, micro)
-            host_acts = kept - saved_ops + 8 * h * tokens
+            host_acts = kept - saved_ops + final_norm
             if half and not model16 and not quantized:
                 host_acts += 2 * layer_linear * (layers - n_ckpt)
-            acts = head_acts - 8 * h * tokens + saved_ops
+            acts = head_acts - final_norm + saved_ops
             bwd_layers = stream + recompute
         grads_before = grads if accum > 1 else 0
         largest = st.largest_param

@@ -270,8 +270,10 @@ def trace_step(
     seq_len: int,
     global_batch_size: int,
     steps: int = 2,
+    cuda: bool = True,
 ) -> dict[str, int]:
-    """Peak bytes and their breakdown of ``steps`` training steps of the trial job's loop."""
+    """Peak bytes and their breakdown of ``steps`` training steps of the trial job's loop;
+    ``cuda`` False: as the CPU trial backend runs it (sdpa with attention dropout)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from trials.job import build_model
@@ -295,9 +297,9 @@ def trace_step(
         # swap parameters under fake tensors)
         dtype = precision.autocast_dtype if deepspeed else None
         traced_cfg = dict(model_config)
-        if attention != "eager":
+        if attention != "eager" and cuda:
             # CUDA's fused kernels apply attention dropout inside (no mask kept); the CPU's
-            # sdpa would fall back to its math path and keep the s x s probabilities
+            # sdpa falls back to its math path and keeps the s x s probabilities
             traced_cfg.update({key: 0.0 for key in ATTENTION_DROPOUT_KEYS})
         fallback = 0
         with _default_dtype(dtype):
@@ -386,7 +388,12 @@ class TracedEstimator(Estimator):
         self.use_cache = use_cache
 
     def traced_parts(
-        self, model_config: dict[str, Any], config: dict[str, Any], seq_len: int, gbs: int
+        self,
+        model_config: dict[str, Any],
+        config: dict[str, Any],
+        seq_len: int,
+        gbs: int,
+        cuda: bool = True,
     ) -> dict[str, int]:
         # Only what the single fake process runs matters for the trace: ZeRO and offload are
         # applied afterwards, and a quantized model traces as its 16-bit LoRA-free self.
@@ -397,6 +404,8 @@ class TracedEstimator(Estimator):
         }
         if deepspeed_states(config):
             traced_cfg["deepspeed"] = True
+        if not cuda:
+            traced_cfg["cpu_kernels"] = True
         key = _cache_key(model_config, traced_cfg, seq_len, gbs)
         path = self.cache / f"{key}.json"
         if self.use_cache and path.is_file():
@@ -404,7 +413,9 @@ class TracedEstimator(Estimator):
                 return {k: int(v) for k, v in json.loads(path.read_text()).items()}
             except (OSError, ValueError):
                 pass
-        parts = trace_step(model_config, {**traced_cfg, **_ds_flags(config)}, seq_len, gbs)
+        parts = trace_step(
+            model_config, {**traced_cfg, **_ds_flags(config)}, seq_len, gbs, cuda=cuda
+        )
         if self.use_cache:
             self.cache.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -422,7 +433,9 @@ class TracedEstimator(Estimator):
         nproc: int = 1,
         gpu: GpuSpec | None = None,
     ) -> Estimate:
-        parts = self.traced_parts(model_config, config, seq_len, global_batch_size)
+        parts = self.traced_parts(
+            model_config, config, seq_len, global_batch_size, cuda=gpu is not None
+        )
         notes: list[str] = []
         st = stats_of(model_config)
         if st.experts:
