@@ -125,6 +125,41 @@ def test_one_rank_trains_as_plain_training() -> None:
     assert sharded.peak_bytes == pytest.approx(_predicted(spec), rel=0.05)
 
 
+#: one rank, in this process (FSDP choices, global batch, estimate / measured - 1 as measured):
+#: one rank has no collective, and ``FSDPParamGroup.post_backward`` reshards the root's
+#: parameters before reducing its gradients, so the end of backward holds the shards, every
+#: reduced gradient and the reduce's fp32 input; the bf16 peaks agree to within 2.3 KB
+#: (134,519,976 B measured, 134,517,760 predicted; were +11-12.5%)
+ONE_RANK = [
+    ({"fsdp": "full_shard", "precision": "bf16"}, 4, -0.0000),
+    ({"fsdp": "shard_grad_op", "precision": "bf16"}, 4, -0.0000),
+    ({"fsdp": "full_shard", "precision": "bf16"}, 8, -0.0000),
+    ({"fsdp": "full_shard", "fsdp_offload": "cpu"}, 4, +0.0713),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("extra", "gbs", "agreement"), ONE_RANK)
+def test_one_rank_as_predicted(extra: dict, gbs: int, agreement: float) -> None:
+    """The peak of a one-rank trial against the analytical estimator, allowed twice the
+    agreement measured (at least 1%)."""
+    spec = tiny_spec({**BASE, **extra}, global_batch_size=gbs, measured_steps=1)
+    result = run_trial(spec)
+    assert result.status == "ok", result.error
+    assert _predicted(spec) == pytest.approx(result.peak_bytes, rel=max(0.01, 2 * agreement))
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="measured 25,169,416 B, predicted 33,556,480 (+33%)")
+def test_one_rank_bf16_offload_as_predicted() -> None:
+    """One rank in bf16 with the shards offloaded: the estimate keeps the reduce's fp32 input
+    and output of the root both alive; on the CPU backend the peak is the copy-in alone."""
+    extra = {"fsdp": "full_shard", "fsdp_offload": "cpu", "precision": "bf16"}
+    spec = tiny_spec({**BASE, **extra}, global_batch_size=4, measured_steps=1)
+    result = run_trial(spec)
+    assert _predicted(spec) == pytest.approx(result.peak_bytes, rel=0.10)
+
+
 #: (world size, FSDP choices, estimate / measured - 1 as measured here): one process standing for
 #: rank 0 of N on torch's ``fake`` process group, where FSDP2 allocates its shards, gathered
 #: parameters and reduce-scatter buffers as on N ranks but the collectives move no data (so the

@@ -499,9 +499,10 @@ def fsdp_held(
     # full_shard: each block resharded after its forward, none gathered at the end of forward
     # or the start of backward; shard_grad_op: every block gathered until its backward
     blocks_fwd = 0 if RESHARD[fsdp_mode(config)] else st.layers * w * block
-    # the reduce-scatter's fp32 input made from the gathered gradients; on a CPU the copy-in
-    # (``torch.ops.fsdp.chunk_cat``) casts 16-bit gradients to fp32 first, a kernel CUDA fuses
-    cast = 4 if w != 4 and not cuda else 0
+    # the reduce-scatter's fp32 input made from the gathered gradients; on a CPU the collective
+    # of 16-bit gradients adds an fp32 copy (measured on gloo); one rank has no collective
+    # (``foreach_reduce`` copies the input to the output)
+    cast = 4 if w != 4 and not cuda and n > 1 else 0
     gathered = w * root
     if n == 1 and w == 4 and not offloaded:
         # one rank, no cast, shards on the device: the "gathered" parameters are the shards
@@ -522,8 +523,12 @@ def fsdp_held(
         held["parameters"] += gathered + (2 * w * block if gathered else 0)
         held["gradients"] = max(grads_kept, reduced) + w * st.vocab * st.hidden
         held["temporaries"] = (w + 4 + cast) * block  # its gathered gradient, the fp32 copy
-    else:  # end of backward: the root's gradients reduced
-        held["parameters"] += gathered
+    else:  # end of backward: the root's gradients reduced, its parameters resharded first
+        # (``FSDPParamGroup.post_backward`` reshards before ``foreach_reduce``); several CPU
+        # ranks keep that much again in gloo's reduce-scatter buffers (two gloo processes hold
+        # 9.4 MB more than torch's fake process group on the test model: left as this term)
+        if n > 1 and not cuda:
+            held["parameters"] += gathered
         held["gradients"] = max(grads_kept, reduced)
         held["temporaries"] = max((w + 4 + cast) * root, 4 * root + 4 * root // n)
     return held
