@@ -135,6 +135,8 @@ ONE_RANK = [
     ({"fsdp": "shard_grad_op", "precision": "bf16"}, 4, -0.0000),
     ({"fsdp": "full_shard", "precision": "bf16"}, 8, -0.0000),
     ({"fsdp": "full_shard", "fsdp_offload": "cpu"}, 4, +0.0713),
+    # offloaded on the CPU backend the reduced gradient is the host gradient itself (was +33%)
+    ({"fsdp": "full_shard", "fsdp_offload": "cpu", "precision": "bf16"}, 4, +0.0528),
 ]
 
 
@@ -147,17 +149,6 @@ def test_one_rank_as_predicted(extra: dict, gbs: int, agreement: float) -> None:
     result = run_trial(spec)
     assert result.status == "ok", result.error
     assert _predicted(spec) == pytest.approx(result.peak_bytes, rel=max(0.01, 2 * agreement))
-
-
-@pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="measured 25,169,416 B, predicted 33,556,480 (+33%)")
-def test_one_rank_bf16_offload_as_predicted() -> None:
-    """One rank in bf16 with the shards offloaded: the estimate keeps the reduce's fp32 input
-    and output of the root both alive; on the CPU backend the peak is the copy-in alone."""
-    extra = {"fsdp": "full_shard", "fsdp_offload": "cpu", "precision": "bf16"}
-    spec = tiny_spec({**BASE, **extra}, global_batch_size=4, measured_steps=1)
-    result = run_trial(spec)
-    assert _predicted(spec) == pytest.approx(result.peak_bytes, rel=0.10)
 
 
 #: (world size, FSDP choices, estimate / measured - 1 as measured here): one process standing for

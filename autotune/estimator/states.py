@@ -530,7 +530,11 @@ def fsdp_held(
         if n > 1 and not cuda:
             held["parameters"] += gathered
         held["gradients"] = max(grads_kept, reduced)
-        held["temporaries"] = max((w + 4 + cast) * root, 4 * root + 4 * root // n)
+        # the copy-in (the root's gradients and the reduce's fp32 input), then the input and
+        # the reduced output; offloaded on a CPU, that output is the host gradient itself
+        # (``.to("cpu")`` of a CPU tensor is no copy)
+        output = 0 if offloaded and not cuda else 4 * root // n
+        held["temporaries"] = max((w + 4 + cast) * root, 4 * root + output)
     return held
 
 
