@@ -93,7 +93,8 @@ class AnalyticalEstimator(Estimator):
 
         cuda = gpu is not None
         per_layer = layer_activation_bytes(st, config, seq_len, micro, cuda)
-        stream = (2 if model16 and half else 4) * h * tokens  # a layer's input
+        stream_width = 2 if model16 and half else 4  # the residual stream's dtype
+        stream = stream_width * h * tokens  # a layer's input
         ckpt = str(config.get("gradient_checkpointing", "off"))
         every = {"off": 0, "full": 1}.get(ckpt, int(config.get("checkpoint_every", 2)))
         n_ckpt = layers // every if every else 0
@@ -107,8 +108,7 @@ class AnalyticalEstimator(Estimator):
         final_norm = NORM_BYTES[st.norm][mode] * h * tokens
         head_acts = final_norm + (2 if half else 4) * h * tokens
         if st.embd_dropout > 0:  # its mask (the output is the first layer's input)
-            width = 2 if model16 and half else 4
-            head_acts += dropout_mask_bytes(width, cuda) * h * tokens
+            head_acts += dropout_mask_bytes(stream_width, cuda) * h * tokens
         # under autocast 16-bit logits plus the fp32 log-softmax; DeepSpeed's 16-bit model keeps
         # its 16-bit logits and the loss's fp32 upcast
         # (chunked cross-entropy: one slice's logits at a time, recomputed in backward)

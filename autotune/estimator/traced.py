@@ -404,9 +404,9 @@ class TracedEstimator(Estimator):
         }
         if deepspeed_states(config):
             traced_cfg["deepspeed"] = True
-        if not cuda:
-            traced_cfg["cpu_kernels"] = True
-        key = _cache_key(model_config, traced_cfg, seq_len, gbs)
+        # the CPU's kernels trace what a GPU's fuse (attention dropout): its own cache entry
+        keyed = traced_cfg if cuda else {**traced_cfg, "cpu_kernels": True}
+        key = _cache_key(model_config, keyed, seq_len, gbs)
         path = self.cache / f"{key}.json"
         if self.use_cache and path.is_file():
             try:
