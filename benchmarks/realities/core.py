@@ -141,7 +141,6 @@ class Reality:
 
 # --- replayed tables (measured, traced) -----------------------------------------------------------
 
-TABLE_ROW_KEYS = ("config", "status", "peak_bytes", "tokens_per_s", "losses", "wall_s", "error")
 
 
 def load_table(path: Path) -> dict[str, Any]:
