@@ -57,3 +57,33 @@ def test_prediction_within_5_percent_of_a_measured_deepspeed_trial(
     # and within what the host budget allows for them (DeepSpeed's 1.5 buffer factor)
     assert states.host_per_rank * nproc <= states.host_bytes
     assert measured.host_peak_bytes > 0  # the job's peak resident set, recorded
+
+
+def test_zero_1_2_peaks_of_the_measured_table() -> None:
+    """The analytical peak against the search benchmark's measured reality (192 real CPU trials of
+    a 0.9M-parameter LLaMA, ``benchmarks/realities/measured_mini_llama.json``): every ZeRO-1/2 row
+    (fp32/bf16, sdpa/eager, checkpointing, micro-batch 1-4, optimizer offload) within 10%
+    (reached: 8.9% at most, median |error| 2.4%); before the bucket was counted at the first
+    gradient hook, with the kept activations, stage 2 was 25% under."""
+    import json
+    import statistics
+
+    from autotune.estimator.analytical import AnalyticalEstimator
+    from benchmarks.realities.measure import DEFAULT_OUT
+
+    table = json.loads(DEFAULT_OUT.read_text())
+    errors = []
+    for row in table["rows"]:
+        if row["config"].get("zero_stage") not in (1, 2):
+            continue
+        est = AnalyticalEstimator().estimate(
+            table["model_config"],
+            row["config"],
+            seq_len=table["seq_len"],
+            global_batch_size=table["global_batch_size"],
+            nproc=1,
+        )
+        errors.append(est.peak_bytes / row["peak_bytes"] - 1)
+    assert len(errors) == 96
+    assert max(abs(e) for e in errors) <= 0.10
+    assert statistics.median(abs(e) for e in errors) <= 0.04

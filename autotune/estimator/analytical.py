@@ -20,7 +20,8 @@ eager attention) but counted for the LLaMA decoder as transformers runs it, tens
   chunked cross-entropy T is one slice's tokens (the others' logits never exist at the time).
 
 The peak is the largest of four moments: end of forward, start of backward (logits gradients),
-end of backward (all gradients and the last recomputed layer), optimizer step. With the
+end of backward (all gradients and the last recomputed layer), optimizer step; under ZeRO also
+the first gradient hook (the kept activations and the gradient bucket ZeRO 1-2 make then). With the
 optimizer step in backward no moment holds all gradients: the output layer's step (its gradient
 and step temporaries over every kept activation) and the end of backward replace the step.
 """
@@ -150,6 +151,10 @@ class AnalyticalEstimator(Estimator):
             "end of backward": (grads, bwd_layers, 0, 0),
             "optimizer step": (grads, 0, 0, step_temps),
         }
+        if states.phases is not None:
+            # ZeRO 1-2 make the gradient bucket at the output layer's gradient hook, once the
+            # logits' gradients are gone and every kept activation still is
+            moments["first gradient hook"] = (grads_before, acts + cache_in_bwd, 0, 0)
         if steps_in_backward(config) and not deepspeed:
             # each parameter stepped as its gradient completes, and the gradient freed: no
             # moment holds every gradient. The output layer's (the largest) is stepped first,

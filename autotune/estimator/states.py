@@ -144,22 +144,31 @@ class Phases:
     * ``accumulated``: from the first backward until the optimizer step (the gradients kept over
       the micro-batches of an accumulation window, and what lives with them);
     * ``backward``: only inside a backward pass;
-    * ``step``: at the optimizer step, when no activation is left.
+    * ``step``: at the optimizer step, when no activation is left;
+    * ``first_hook``: what the first gradient hook of the first micro-batch makes, which
+      ``accumulated`` holds from then on (stage 1's bucket).
+
+    Stages 1-2 make the IPG bucket at the first gradient hook (``setup_buckets``, from
+    ``process_gradients``), the output layer's: almost every activation is still held then.
     """
 
     compute: dict[str, int]
     accumulated: dict[str, int]
     backward: dict[str, int]
     step: dict[str, int]
+    first_hook: dict[str, int] = field(default_factory=dict)
 
 
 def zero_states_at(phases: Phases, moment: str, accum: int) -> dict[str, int]:
     """A ZeRO rank's model states and DeepSpeed's buffers at one of the four moments, by role:
     the optimizer step holds its own; forward and the start of backward hold the gradients
-    kept over micro-batches once there were earlier ones (``accum`` > 1); the end of backward
-    holds them and the buffers of the backward pass."""
+    kept over micro-batches once there were earlier ones (``accum`` > 1); the first gradient
+    hook adds the buffers of the backward pass; the end of backward holds them all."""
     if moment == "optimizer step":
         parts = [phases.step]
+    elif moment == "first gradient hook":
+        parts = [phases.compute, phases.backward]
+        parts.append(phases.accumulated if accum > 1 else phases.first_hook)
     elif moment == "end of backward":
         parts = [phases.compute, phases.accumulated, phases.backward]
     else:
@@ -377,12 +386,14 @@ def _phases12(
         # first gradient hook lives until the boundary's epilogue
         accumulated = {"gradients": wbytes * st.n_params, "temporaries": bucket}
         backward: dict[str, int] = {}
+        first_hook = {"temporaries": bucket}
     else:
         # stage 2 reduces as gradients come: its partition's gradients are copied into
         # grads_in_partition (copy_grads_in_partition; on the host under offload) and the IPG
         # bucket is released by every backward's epilogue (_release_ipg_buffers)
         accumulated = {"gradients": 0 if off_opt else wbytes * part}
         backward = {"temporaries": bucket}
+        first_hook = {}
     if off_opt:  # DeepSpeedCPUAdam steps on the host, in place
         step = {"parameters": params, "temporaries": staging}
     else:
@@ -394,7 +405,7 @@ def _phases12(
             "optimizer_states": optim,
             "temporaries": adam_step_temporaries(part, cuda, mbytes),
         }
-    return Phases(compute, accumulated, backward, step), host_rank
+    return Phases(compute, accumulated, backward, step, first_hook), host_rank
 
 
 def _phases3(
