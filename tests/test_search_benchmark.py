@@ -219,6 +219,37 @@ def test_bad_reality_name_is_one_line_exit_2(capsys: pytest.CaptureFixture[str])
     assert se.main(["--realities", "nope", "--seeds", "1"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "unknown reality 'nope'" in err
+    assert se.main(["--measured-budget", "0", "--seeds", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--measured-budget must be positive" in err
+
+
+def test_measured_budget_sets_the_replayed_budget(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--measured-budget 24`` replays the table at 24 MiB: the optimum printed is the brute
+    force's at that budget, and the feasible count is the raw table's."""
+    monkeypatch.setattr(se, "MEASURED_BUDGET", se.MEASURED_BUDGET)  # main rebinds it
+    assert (
+        se.main(
+            [
+                "--realities",
+                "measured",
+                "--seeds",
+                "1",
+                "--peers",
+                "grid",
+                "--measured-budget",
+                "24",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    table = json.loads(se.MEASURED.read_text())
+    fits = sum(r["status"] == "ok" and r["peak_bytes"] <= 24 * 2**20 for r in table["rows"])
+    assert f"budget 24 MiB, {fits} feasible" in out
+    assert f"optimum (seed 0): {brute_force_measured(24 * 2**20):,.0f} tok/s" in out
 
 
 @pytest.mark.slow

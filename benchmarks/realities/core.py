@@ -142,7 +142,6 @@ class Reality:
 # --- replayed tables (measured, traced) -----------------------------------------------------------
 
 
-
 def load_table(path: Path) -> dict[str, Any]:
     return json.loads(Path(path).read_text())
 

@@ -46,7 +46,7 @@ SPACE = HERE / "measured_space.yaml"
 DEFAULT_OUT = HERE / "measured_mini_llama.json"
 MODEL = "mini-llama"
 #: a LLaMA (RMSNorm, SwiGLU, rotary attention) smaller than the registry's tiny-llama, so that
-#: its 64 real trials fit in minutes of a shared 2-core CPU: ~0.9M parameters
+#: its 192 real trials (x 3 passes) fit in half an hour of one core: ~0.9M parameters
 MODEL_CONFIG: dict[str, Any] = {
     "model_type": "llama",
     "vocab_size": 2048,
@@ -175,7 +175,9 @@ def run_in_process(spec: TrialSpec) -> TrialResult:
     return result
 
 
-def merge(row: dict[str, Any] | None, config: dict[str, Any], result: TrialResult) -> dict[str, Any]:
+def merge(
+    row: dict[str, Any] | None, config: dict[str, Any], result: TrialResult
+) -> dict[str, Any]:
     """One pass's trial folded into its row: the speeds so far and their median; the peak,
     status and losses must be what the earlier passes measured."""
     speeds = [*(row["tokens_per_s_passes"] if row else []), result.tokens_per_s]
@@ -183,7 +185,9 @@ def merge(row: dict[str, Any] | None, config: dict[str, Any], result: TrialResul
     if row is not None and (
         (row["status"], row["peak_bytes"]) != (result.status, result.peak_bytes)
         or len(row["losses"]) != len(result.losses)
-        or any(abs(a - b) > 1e-6 * abs(a) for a, b in zip(row["losses"], result.losses))
+        or any(
+            abs(a - b) > 1e-6 * abs(a) for a, b in zip(row["losses"], result.losses, strict=True)
+        )
     ):
         raise RuntimeError(f"a pass did not reproduce {config}: {row} vs {result}")
     return {
