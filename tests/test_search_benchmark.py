@@ -305,3 +305,22 @@ def test_a_real_study_at_scale_finds_a_fitting_exact_configuration(tmp_path: Pat
         and t.user_attrs.get("role") != "reference"
     ]
     assert good, [(t.user_attrs.get("status"), t.user_attrs.get("config")) for t in real]
+
+
+def test_a_pass_folds_into_its_row_or_stops_the_generator() -> None:
+    """``measure.merge``: a row's speed is the median of its passes; a pass whose peak or loss
+    differs from the earlier ones stops the generator (the table would mix two programs)."""
+    from trials.spec import TrialResult
+
+    def result(speed: float, peak: int = 100, loss: float = 2.0) -> TrialResult:
+        return TrialResult("ok", peak_bytes=peak, tokens_per_s=speed, losses=[loss], wall_s=1.0)
+
+    row = None
+    for speed in (300.0, 100.0, 200.0):
+        row = measure.merge(row, {"zero_stage": 0}, result(speed))
+    assert row is not None
+    assert row["tokens_per_s_passes"] == [300.0, 100.0, 200.0] and row["tokens_per_s"] == 200.0
+    with pytest.raises(RuntimeError, match="did not reproduce"):
+        measure.merge(row, {"zero_stage": 0}, result(250.0, peak=101))
+    with pytest.raises(RuntimeError, match="did not reproduce"):
+        measure.merge(row, {"zero_stage": 0}, result(250.0, loss=2.001))
