@@ -87,3 +87,34 @@ def test_zero_1_2_peaks_of_the_measured_table() -> None:
     assert len(errors) == 96
     assert max(abs(e) for e in errors) <= 0.10
     assert statistics.median(abs(e) for e in errors) <= 0.04
+
+
+@pytest.mark.slow
+def test_zero_1_2_traced_peaks_of_the_measured_table() -> None:
+    """The traced estimator against the same 96 measured ZeRO-1/2 rows (a fake-tensor step each,
+    ~50 s): reached median |error| 1.6%, max 10.5% (under); before the trace kept its peak from
+    the first gradient hook on, where ZeRO 1-2's bucket joins it, median 7.3%, max 25%."""
+    import json
+    import statistics
+
+    from autotune.estimator.traced import TracedEstimator
+    from benchmarks.realities.measure import DEFAULT_OUT
+
+    table = json.loads(DEFAULT_OUT.read_text())
+    traced = TracedEstimator(use_cache=False)
+    errors = [
+        traced.estimate(
+            table["model_config"],
+            row["config"],
+            seq_len=table["seq_len"],
+            global_batch_size=table["global_batch_size"],
+            nproc=1,
+        ).peak_bytes
+        / row["peak_bytes"]
+        - 1
+        for row in table["rows"]
+        if row["config"].get("zero_stage") in (1, 2)
+    ]
+    assert len(errors) == 96
+    assert max(abs(e) for e in errors) <= 0.12
+    assert statistics.median(abs(e) for e in errors) <= 0.03

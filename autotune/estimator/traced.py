@@ -49,7 +49,7 @@ from trials.techniques.optimizer_in_backward import InBackward, steps_in_backwar
 #: the tag of storages made in host memory (offloaded activations): not on the traced device
 HOST = "host"
 
-CACHE_VERSION = 5
+CACHE_VERSION = 6
 #: kernels that can't be built here, traced as one that keeps the same tensors for backward
 #: (flash-attn and sdpa's flash kernel both keep q, k, v, the output and the log-sum-exp)
 TRACED_ATTENTION = {"flash_attention_2": "sdpa"}
@@ -77,6 +77,22 @@ class PhaseTracker(TorchDispatchMode):
         self._host_births = False  # inside host_allocations(): new storages are host memory
         self.host_live = 0
         self.host_peak = 0
+        # from a backward pass's first gradient hook to its end (ZeRO 1-2 make their gradient
+        # bucket at that hook): the peak then, and the per-tag totals at it
+        self.hooked = False
+        self.hook_peak = 0
+        self.at_hook_peak: dict[str, int] = {}
+
+    def gradient_hook(self) -> None:
+        """A gradient is complete; the first of a backward pass starts its hooked span."""
+        if not self.hooked:
+            self.hooked = True
+            self._note_hook_peak()
+
+    def _note_hook_peak(self) -> None:
+        if self.total > self.hook_peak:
+            self.hook_peak = self.total
+            self.at_hook_peak = dict(self.live)
 
     @contextmanager
     def host_allocations(self) -> Iterator[None]:
@@ -116,6 +132,8 @@ class PhaseTracker(TorchDispatchMode):
         if self.total > self.peak:
             self.peak = self.total
             self.at_peak = dict(self.live)
+        if self.hooked:
+            self._note_hook_peak()
         weakref.finalize(storage, self._release, key)
 
     def retag(self, t: torch.Tensor, tag: str) -> None:
@@ -322,6 +340,7 @@ def trace_step(
         def grad_ready(p: torch.Tensor) -> None:
             if p.grad is not None:
                 tracker.retag(p.grad, "gradients")
+            tracker.gradient_hook()
 
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(grad_ready)
@@ -358,6 +377,7 @@ def trace_step(
                     loss = model(input_ids=ids, labels=ids).loss / accum
                 tracker.phase = "temporaries"
                 loss.backward()
+                tracker.hooked = False
                 del loss, ids
             if optimizer is not None:  # else stepped in backward, parameter by parameter
                 tracker.phase = "optimizer_states"
@@ -366,6 +386,8 @@ def trace_step(
         del model, optimizer
     parts = {k: max(0, tracker.at_peak.get(k, 0)) for k in PARTS}
     parts["peak"] = tracker.peak
+    parts.update({f"hook:{k}": max(0, tracker.at_hook_peak.get(k, 0)) for k in PARTS})
+    parts["hook:peak"] = tracker.hook_peak
     parts["host_activations"] = tracker.host_peak
     parts["eager_fallback"] = fallback
     return parts
@@ -465,6 +487,14 @@ class TracedEstimator(Estimator):
             for k in ("parameters", "gradients", "optimizer_states"):
                 peak -= breakdown.pop(k)
             held = zero_states_at(states.phases, "start of backward", accum)
+            # from the first gradient hook on, ZeRO 1-2's bucket beside what the trace held then
+            hook = {k: parts.get(f"hook:{k}", 0) for k in PARTS}
+            hook_peak = parts.get("hook:peak", 0)
+            for k in ("parameters", "gradients", "optimizer_states"):
+                hook_peak -= hook.pop(k)
+            hooked = zero_states_at(states.phases, "first gradient hook", accum)
+            if hook_peak + sum(hooked.values()) > peak + sum(held.values()):
+                peak, breakdown, held = hook_peak, hook, hooked
             stateful = [
                 zero_states_at(states.phases, moment, accum)
                 for moment in ("end of backward", "optimizer step")
