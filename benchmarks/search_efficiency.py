@@ -335,7 +335,7 @@ def measured(seed: int) -> Reality:
         HERE / "measured_space.yaml",
         MEASURED_BUDGET,
         "real trials on one pinned core of a 2-core CPU, each speed the median of 3 passes "
-        "(a pass lies a median 2.2% from it): differences of a few percent are noise; CPU "
+        "(the other two lie a median 5.0% from it): differences of a few percent are noise; CPU "
         "offload is no PCIe copy; a small model (fixed costs weigh more than on a GPU)",
     )
 
@@ -487,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
         default=MEASURED_BUDGET / MIB,
         metavar="MIB",
         help="the measured reality's budget in MiB (its table holds every peak, so any budget "
-        "replays; the default leaves 34 of 192 configurations feasible)",
+        "replays)",
     )
     args = parser.parse_args(argv)
     if not args.measured_budget > 0:

@@ -19,7 +19,7 @@ eager attention) but counted for the LLaMA decoder as transformers runs it, tens
   the logits' gradient: 12 T*v bytes (+2 T*v of 16-bit logits in forward under autocast); with
   chunked cross-entropy T is one slice's tokens (the others' logits never exist at the time).
 
-The peak is the largest of four moments: end of forward, start of backward (logits gradients),
+The peak is the largest of these moments: end of forward, start of backward (logits gradients),
 end of backward (all gradients and the last recomputed layer), optimizer step; under ZeRO also
 the first gradient hook (the kept activations and the gradient bucket ZeRO 1-2 make then). With the
 optimizer step in backward no moment holds all gradients: the output layer's step (its gradient
@@ -153,7 +153,8 @@ class AnalyticalEstimator(Estimator):
         }
         if states.phases is not None:
             # ZeRO 1-2 make the gradient bucket at the output layer's gradient hook, once the
-            # logits' gradients are gone and every kept activation still is
+            # logits' gradients are gone and every kept activation still is (under stage 3 the
+            # moment holds what the start of backward does, less the logits)
             moments["first gradient hook"] = (grads_before, acts + cache_in_bwd, 0, 0)
         if steps_in_backward(config) and not deepspeed:
             # each parameter stepped as its gradient completes, and the gradient freed: no

@@ -160,7 +160,7 @@ class Phases:
 
 
 def zero_states_at(phases: Phases, moment: str, accum: int) -> dict[str, int]:
-    """A ZeRO rank's model states and DeepSpeed's buffers at one of the four moments, by role:
+    """A ZeRO rank's model states and DeepSpeed's buffers at one of the moments, by role:
     the optimizer step holds its own; forward and the start of backward hold the gradients
     kept over micro-batches once there were earlier ones (``accum`` > 1); the first gradient
     hook adds the buffers of the backward pass; the end of backward holds them all."""

@@ -488,8 +488,8 @@ class TracedEstimator(Estimator):
                 peak -= breakdown.pop(k)
             held = zero_states_at(states.phases, "start of backward", accum)
             # from the first gradient hook on, ZeRO 1-2's bucket beside what the trace held then
-            hook = {k: parts.get(f"hook:{k}", 0) for k in PARTS}
-            hook_peak = parts.get("hook:peak", 0)
+            hook = {k: parts[f"hook:{k}"] for k in PARTS}
+            hook_peak = parts["hook:peak"]
             for k in ("parameters", "gradients", "optimizer_states"):
                 hook_peak -= hook.pop(k)
             hooked = zero_states_at(states.phases, "first gradient hook", accum)

@@ -214,18 +214,24 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=GLOBAL_BATCH)
     args = parser.parse_args()
     grid = space(args.global_batch).grid()
-    if args.limit:
-        grid = grid[: args.limit]
+    todo = grid[: args.limit] if args.limit else grid  # what runs; every row is written back
     table: dict[str, Any] = (
         json.loads(args.out.read_text())
         if args.out.is_file()
         else header(args.seq_len, args.global_batch, not args.subprocess, args.passes)
     )
+    if (table.get("schema"), table.get("passes")) != (SCHEMA_VERSION, args.passes):
+        print(
+            f"{args.out} is schema {table.get('schema')} with {table.get('passes')} passes: "
+            f"continuing it needs schema {SCHEMA_VERSION} and --passes {table.get('passes')}",
+            file=sys.stderr,
+        )
+        sys.exit(2)
     rows = {config_key(r["config"]): r for r in table["rows"]}
     with tempfile.TemporaryDirectory(prefix="autotune-measure-") as tmp:
         runner = SubprocessRunner(Path(tmp), timeout_s=600)
         for p in range(table["passes"]):
-            for n, config in enumerate(grid, 1):
+            for n, config in enumerate(todo, 1):
                 key = config_key(config)
                 if key in rows and len(rows[key]["tokens_per_s_passes"]) > p:
                     continue
@@ -235,7 +241,7 @@ def main() -> None:
                 table["rows"] = [r for c in grid if (r := rows.get(config_key(c)))]
                 args.out.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
                 print(
-                    f"[pass {p + 1}, {n}/{len(grid)}] {result.status} "
+                    f"[pass {p + 1}, {n}/{len(todo)}] {result.status} "
                     f"{result.peak_bytes / 2**20:.1f} MiB {result.tokens_per_s:,.0f} tok/s "
                     f"{result.wall_s:.1f}s {config}",
                     flush=True,
