@@ -89,6 +89,10 @@ class PhaseTracker(TorchDispatchMode):
             self.hooked = True
             self._note_hook_peak()
 
+    def end_backward(self) -> None:
+        """The backward pass is over: its hooked span ends."""
+        self.hooked = False
+
     def _note_hook_peak(self) -> None:
         if self.total > self.hook_peak:
             self.hook_peak = self.total
@@ -377,7 +381,7 @@ def trace_step(
                     loss = model(input_ids=ids, labels=ids).loss / accum
                 tracker.phase = "temporaries"
                 loss.backward()
-                tracker.hooked = False
+                tracker.end_backward()
                 del loss, ids
             if optimizer is not None:  # else stepped in backward, parameter by parameter
                 tracker.phase = "optimizer_states"
@@ -391,6 +395,20 @@ def trace_step(
     parts["host_activations"] = tracker.host_peak
     parts["eager_fallback"] = fallback
     return parts
+
+
+#: the model states of the trace's one unsharded process, which ZeRO's formula replaces
+TRACED_STATES = ("parameters", "gradients", "optimizer_states")
+
+
+def _net_of_states(parts: dict[str, int], prefix: str = "") -> tuple[int, dict[str, int]]:
+    """A traced peak (``prefix``: "" the step's, "hook:" the one after a first gradient hook)
+    and its breakdown, less the trace's model states."""
+    breakdown = {k: parts[prefix + k] for k in PARTS}
+    peak = parts[prefix + "peak"]
+    for k in TRACED_STATES:
+        peak -= breakdown.pop(k)
+    return peak, breakdown
 
 
 def _cache_key(model_config: dict[str, Any], config: dict[str, Any], seq: int, gbs: int) -> str:
@@ -484,14 +502,10 @@ class TracedEstimator(Estimator):
             # model states are what DeepSpeed holds during the backward pass (the formula's),
             # unless the end of backward (its buffers of the backward pass) or the optimizer
             # step, with no activation left, hold more.
-            for k in ("parameters", "gradients", "optimizer_states"):
-                peak -= breakdown.pop(k)
+            peak, breakdown = _net_of_states(parts)
             held = zero_states_at(states.phases, "start of backward", accum)
             # from the first gradient hook on, ZeRO 1-2's bucket beside what the trace held then
-            hook = {k: parts[f"hook:{k}"] for k in PARTS}
-            hook_peak = parts["hook:peak"]
-            for k in ("parameters", "gradients", "optimizer_states"):
-                hook_peak -= hook.pop(k)
+            hook_peak, hook = _net_of_states(parts, "hook:")
             hooked = zero_states_at(states.phases, "first gradient hook", accum)
             if hook_peak + sum(hooked.values()) > peak + sum(held.values()):
                 peak, breakdown, held = hook_peak, hook, hooked
@@ -511,7 +525,7 @@ class TracedEstimator(Estimator):
             notes.extend(states.notes)
         elif states.replaces_trace:
             # The trace ran one unsharded process: swap its model states for the formula's.
-            for k in ("parameters", "gradients", "optimizer_states"):
+            for k in TRACED_STATES:
                 peak += states.parts[k] - breakdown[k]
                 breakdown[k] = states.parts[k]
             notes.extend(states.notes)
