@@ -17,6 +17,7 @@ follows ``deepspeed/autotuning/autotuner.py`` (see ``deepspeed_style``).
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import random
 import statistics
@@ -328,12 +329,12 @@ MEASURED_BUDGET = 16 * MIB
 TRACED_BUDGET = 600 * MIB
 
 
-def measured(seed: int) -> Reality:
+def measured(seed: int, budget: float = MEASURED_BUDGET) -> Reality:
     return table_reality(
         "measured: mini-llama (0.9M), real CPU trials",
         MEASURED,
         HERE / "measured_space.yaml",
-        MEASURED_BUDGET,
+        budget,
         "real trials on one pinned core of a 2-core CPU, each speed the median of 3 passes "
         "(the other two lie a median 5.0% from it): differences of a few percent are noise; CPU "
         "offload is no PCIe copy; a small model (fixed costs weigh more than on a GPU)",
@@ -468,14 +469,15 @@ def cap_for(peer: str, reality: Reality, cap: int) -> int:
     return len(reality.grid) if peer in EXHAUSTIVE else min(cap, len(reality.grid))
 
 
-def iterate(names: list[str], seeds: int) -> Iterator[tuple[str, int, Reality]]:
+def iterate(
+    realities: dict[str, Callable[[int], Reality]], names: list[str], seeds: int
+) -> Iterator[tuple[str, int, Reality]]:
     for name in names:
         for seed in range(seeds):
-            yield name, seed, REALITIES[name](seed)
+            yield name, seed, realities[name](seed)
 
 
 def main(argv: list[str] | None = None) -> int:
-    global MEASURED_BUDGET
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--seeds", type=int, default=20)
     parser.add_argument("--cap", type=int, default=150, help="most real trials per search")
@@ -493,7 +495,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.measured_budget > 0:
         print(f"--measured-budget must be positive, not {args.measured_budget}", file=sys.stderr)
         return 2
-    MEASURED_BUDGET = args.measured_budget * MIB
+    realities: dict[str, Callable[[int], Reality]] = {
+        **REALITIES,
+        "measured": functools.partial(measured, budget=args.measured_budget * MIB),
+    }
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     warnings.filterwarnings("ignore")
     peers = args.peers.split(",")
@@ -504,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         results: dict[str, list[Search]] = {p: [] for p in peers}
         first = None
-        for _, seed, reality in iterate([name], args.seeds):
+        for _, seed, reality in iterate(realities, [name], args.seeds):
             first = first or reality
             for p in peers:
                 results[p].append(PEERS[p](reality, seed, cap_for(p, reality, args.cap)))
