@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from autotune.estimator.states import model_states
+from autotune.estimator.states import Phases, model_states
 from autotune.models import REGISTRY, stats_of
 
 GIB = 2**30
@@ -103,16 +103,34 @@ def test_issue_numbers_llama7b_one_gpu() -> None:
 
 def test_zero_moments_sum_their_phases() -> None:
     """Which phases a rank holds at each moment, on hand-made phases (``Phases``' docstring)."""
-    from autotune.estimator.states import Phases, zero_states_at
+    from autotune.estimator.states import zero_states_at
 
     phases = Phases(
         compute={"parameters": 1, "gradients": 2},
         accumulated={"gradients": 10, "temporaries": 20},
         backward={"temporaries": 100},
         step={"optimizer_states": 1000, "parameters": 3},
+        first_hook={"temporaries": 10_000},
+        hook={"gradients": 100_000},
+        boundary={"temporaries": 1_000_000},
+        overflow={"temporaries": 10_000_000},
+        overflow_held=0.5,
     )
     zero = {"parameters": 0, "gradients": 0, "optimizer_states": 0, "temporaries": 0}
     at = zero_states_at
+    # the first hook: what fires it on top; after it, not; stage 1's bucket only in the first
+    # micro-batch (then ``accumulated`` holds it)
+    hooked = {**zero, "parameters": 1, "gradients": 100_002, "temporaries": 10_100}
+    assert at(phases, "first gradient hook", 1) == hooked
+    after = {**zero, "parameters": 1, "gradients": 2, "temporaries": 10_100}
+    assert at(phases, "after the first gradient hook", 1) == after
+    later = {**zero, "parameters": 1, "gradients": 100_012, "temporaries": 120}
+    assert at(phases, "first gradient hook", 2) == later
+    # the boundary's reduction: no buffer of the backward pass, its own
+    boundary = {**zero, "parameters": 1, "gradients": 12, "temporaries": 1_000_020}
+    assert at(phases, "accumulation boundary", 3) == boundary
+    overflow = {**zero, "parameters": 1, "gradients": 2, "temporaries": 10_010_100}
+    assert at(phases, "bucket overflow", 1) == overflow
     assert at(phases, "optimizer step", 4) == {**zero, "optimizer_states": 1000, "parameters": 3}
     end = {**zero, "parameters": 1, "gradients": 12, "temporaries": 120}
     assert at(phases, "end of backward", 1) == end
@@ -143,3 +161,32 @@ def test_reduce_bucket_as_deepspeed_sizes_it() -> None:
     assert bucket(1, reduce_bucket_size=1000, precision="bf16") == 2000
     assert bucket(3, reduce_bucket_size=1000, overlap_comm=True) == 4000
     assert bucket(3, reduce_bucket_size=1000, contiguous_gradients=False) == 4000
+
+
+def test_zero2_offload_first_reduction_in_backward() -> None:
+    """Where ZeRO-2 under offload first reduces inside backward, by hand on the scale replica
+    (head 32,768,000 elements; a layer 4 x 1024^2 + 3 x 1024 x 2816 + 2 x 1024 = 12,847,104;
+    two layers): a 5e6 bucket is under the head, reduced at its own hook with every activation
+    held; 5e7 takes the head and one layer (45.6M) but not the second (58.5M): half held; 1e8
+    takes everything before the embedding: no reduction in backward. The norm copy is 8 B per
+    head element (fp64), the head's gradient 2 B in bf16."""
+    from tests.test_real_size import REPLICA
+
+    head = 32_000 * 1024
+
+    def phases(bucket: int, **config: object) -> Phases:
+        cfg = {"zero_stage": 2, "offload_optimizer": "cpu", "precision": "bf16"}
+        states = model_states(REPLICA, {**cfg, "reduce_bucket_size": bucket, **config}, 1)
+        assert states.phases is not None
+        return states.phases
+
+    assert phases(5_000_000).overflow == {"gradients": 2 * head, "temporaries": 8 * head}
+    assert phases(5_000_000).overflow_held == 1.0
+    assert phases(50_000_000).overflow == {"temporaries": 8 * head}
+    assert phases(50_000_000).overflow_held == 0.5
+    assert phases(100_000_000).overflow == {}
+    # then the norm copy is made at the epilogue's reduction, beside the bucket (2 B x 1e8)
+    assert phases(100_000_000).boundary == {"temporaries": 2 * 10**8 + 8 * head}
+    # without offload the norm is taken at the step's start, from the reduced gradients
+    assert phases(5_000_000, offload_optimizer="none").overflow == {}
+    assert phases(5_000_000, offload_optimizer="none").boundary == {"temporaries": 8 * head}

@@ -156,6 +156,13 @@ class AnalyticalEstimator(Estimator):
             # logits' gradients are gone and every kept activation still is (under stage 3 the
             # moment holds what the start of backward does, less the logits)
             moments["first gradient hook"] = (grads_before, acts + cache_in_bwd, 0, 0)
+            # and reduce at the accumulation boundary once backward is over (its own buffers);
+            # ZeRO-2 under offload also where the gradients first overflow the bucket, with the
+            # activations of the layers whose backward is still to come
+            moments["accumulation boundary"] = (grads, 0, 0, 0)
+            if states.phases.overflow:
+                held_acts = int((acts + cache_in_bwd) * states.phases.overflow_held)
+                moments["bucket overflow"] = (grads_before, held_acts, 0, 0)
         if steps_in_backward(config) and not deepspeed:
             # each parameter stepped as its gradient completes, and the gradient freed: no
             # moment holds every gradient. The output layer's (the largest) is stepped first,

@@ -62,12 +62,18 @@ DS_MAX_REUSE_DISTANCE = 1_000_000_000  # stage3_max_reuse_distance
 DS_MAX_LIVE_PARAMS = 1_000_000_000  # stage3_max_live_parameters
 DS_PERSISTENCE_THRESHOLD = 100_000  # stage3_param_persistence_threshold
 DS_SUB_GROUP = 1_000_000_000  # sub_group_size
+#: stage 3 takes a gradient's norm from fp64 copies of this many elements at a time
+#: (``_constant_buffered_norm2``'s buffer_size)
+DS_NORM_CHUNK = 250_000_000
 #: DeepSpeed's estimators multiply host memory by this (pinned buffers, allocator slack)
 DS_HOST_BUFFER_FACTOR = 1.5
 #: bytes per parameter DeepSpeed keeps on the host under offload: fp32 master 4 + fp32 grads 4 +
 #: Adam 8; stage 3's parameter offload adds the 16-bit partition (2)
 HOST_OPTIMIZER_BYTES = 16
 HOST_PARAM_BYTES = 2
+#: bytes per element of the copy a gradient's norm is taken from (DeepSpeed's
+#: ``get_norm_dtype``: fp64 on every accelerator with fp64)
+NORM_BYTES = 8
 
 
 def numel(shape: Shape) -> int:
@@ -146,7 +152,14 @@ class Phases:
     * ``backward``: only inside a backward pass;
     * ``step``: at the optimizer step, when no activation is left;
     * ``first_hook``: what the first gradient hook of the first micro-batch makes, which
-      ``accumulated`` holds from then on (stage 1's bucket).
+      ``accumulated`` holds from then on (stage 1's bucket);
+    * ``hook``: at every backward's first gradient hook: the gradient that fires it;
+    * ``overflow``: at the first reduction inside backward (stage 2 under offload, when the
+      gradients overflow the bucket before the embedding's), with ``overflow_held`` of the
+      layers' activations still held (1: at the first hook);
+    * ``boundary``: after the last backward, when no activation is left, besides ``compute``
+      and ``accumulated``: the fp64 copy a gradient's norm is taken from (at the boundary's
+      reduction under offload, at the start of the step without) and the buffers alive then.
 
     Stages 1-2 make the IPG bucket at the first gradient hook (``setup_buckets``, from
     ``process_gradients``), the output layer's: almost every activation is still held then.
@@ -157,20 +170,33 @@ class Phases:
     backward: dict[str, int]
     step: dict[str, int]
     first_hook: dict[str, int] = field(default_factory=dict)
+    hook: dict[str, int] = field(default_factory=dict)
+    boundary: dict[str, int] = field(default_factory=dict)
+    overflow: dict[str, int] = field(default_factory=dict)
+    overflow_held: float = 0.0
 
 
 def zero_states_at(phases: Phases, moment: str, accum: int) -> dict[str, int]:
     """A ZeRO rank's model states and DeepSpeed's buffers at one of the moments, by role:
     the optimizer step holds its own; forward and the start of backward hold the gradients
     kept over micro-batches once there were earlier ones (``accum`` > 1); the first gradient
-    hook adds the buffers of the backward pass; the end of backward holds them all."""
+    hook adds the buffers of the backward pass, and what the hook itself holds (``hook``),
+    which the rest of backward after it does not; the end of backward holds them all; the
+    accumulation boundary's reduction adds its own (no activation is left then)."""
     if moment == "optimizer step":
         parts = [phases.step]
-    elif moment == "first gradient hook":
+    elif moment in ("first gradient hook", "after the first gradient hook"):
         parts = [phases.compute, phases.backward]
         parts.append(phases.accumulated if accum > 1 else phases.first_hook)
+        if moment == "first gradient hook":
+            parts.append(phases.hook)
     elif moment == "end of backward":
         parts = [phases.compute, phases.accumulated, phases.backward]
+    elif moment == "accumulation boundary":
+        parts = [phases.compute, phases.accumulated, phases.boundary]
+    elif moment == "bucket overflow":
+        parts = [phases.compute, phases.backward, phases.overflow]
+        parts.append(phases.accumulated if accum > 1 else phases.first_hook)
     else:
         parts = [phases.compute, phases.accumulated] if accum > 1 else [phases.compute]
     held = {"parameters": 0, "gradients": 0, "optimizer_states": 0, "temporaries": 0}
@@ -311,7 +337,10 @@ def model_states(
             host = _host(HOST_OPTIMIZER_BYTES * psi * per_host // n, load_copy)
         else:
             host = _host(0, load_copy)
-        phases, host_rank = _phases12(stage, st, part, wbytes, mbytes, optim, bucket, off_opt, cuda)
+        elements = int(config.get("reduce_bucket_size", DS_REDUCE_BUCKET))
+        phases, host_rank = _phases12(
+            stage, st, part, wbytes, mbytes, optim, (bucket, elements), off_opt, cuda
+        )
         if off_opt and stage == 2 and accumulation > 1:
             # gradients accumulated over micro-batches in host memory, the partition's
             # parameters whole (accumulated_grads_in_cpu, async_accumulate_grad_in_cpu_via_gpu)
@@ -364,12 +393,14 @@ def _phases12(
     wbytes: int,
     mbytes: int,
     optim: int,
-    bucket: int,
+    buckets: tuple[int, int],
     off_opt: bool,
     cuda: bool,
 ) -> tuple[Phases, int]:
     """ZeRO-1/2 (``DeepSpeedZeroOptimizer``, deepspeed/runtime/zero/stage_1_and_2.py) by phase,
-    and the host buffers per rank under offload."""
+    and the host buffers per rank under offload. ``buckets``: the IPG buckets' device bytes
+    and ``reduce_bucket_size`` (elements)."""
+    bucket, bucket_elements = buckets
     params = wbytes * st.n_params  # bit16_groups_flat: the 16-bit model, whole on every rank
     # under offload the gradients pass through one device buffer the size of the largest tensor
     # (temp_grad_buffer_for_gpu_offload); the host holds the fp32 master, its gradients and
@@ -379,21 +410,47 @@ def _phases12(
     staging = wbytes * st.largest_param if off_opt else 0
     host_rank = (HOST_OPTIMIZER_BYTES + wbytes) * part + staging if off_opt else 0
     compute = {"parameters": params, "optimizer_states": optim, "temporaries": staging}
+    # the gradient a hook fires for is alive beside the bucket it is copied into: the largest
+    # is the output layer's, the first hook's (a llama's head is as large as its embedding)
+    one_grad = wbytes * st.largest_param
+    # a gradient's norm is taken from a copy of this rank's slice of it in fp64, one gradient
+    # at a time (``get_norm_dtype``: fp64 wherever the accelerator has it, CUDA and the CPU):
+    # 8 B per element of the largest slice; under offload as the boundary's reduction copies
+    # each gradient to the host (``set_norm_for_param_grad_in_gpu``), else at the start of the
+    # step over the reduced 16-bit gradients (``get_grad_norm_direct``)
+    norm = NORM_BYTES * min(st.largest_param, part)
+    hook = {"gradients": one_grad}
+    boundary = {"temporaries": norm}
+    overflow: dict[str, int] = {}
+    held = 0.0
     if stage == 1:
         # stage 1 reduces only at the accumulation boundary (``process_gradients`` leaves each
         # .grad in place without partition_gradients or overlap_comm): the 16-bit gradients
         # stay whole on the device, with or without offload, and the IPG bucket made at the
-        # first gradient hook lives until the boundary's epilogue
+        # first gradient hook lives until the boundary's epilogue, where the norms are taken
         accumulated = {"gradients": wbytes * st.n_params, "temporaries": bucket}
         backward: dict[str, int] = {}
         first_hook = {"temporaries": bucket}
     else:
         # stage 2 reduces as gradients come: its partition's gradients are copied into
-        # grads_in_partition (copy_grads_in_partition; on the host under offload) and the IPG
-        # bucket is released by every backward's epilogue (_release_ipg_buffers)
+        # grads_in_partition (copy_grads_in_partition; on the host under offload, with the
+        # norm taken there) and the IPG bucket is released by every backward's epilogue
+        # (_release_ipg_buffers). The bucket is reduced when the next gradient would overflow
+        # it (``reduce_independent_p_g_buckets_and_remove_grads``), a gradient larger than the
+        # bucket at its own hook, and what is left at the epilogue
         accumulated = {"gradients": 0 if off_opt else wbytes * part}
         backward = {"temporaries": bucket}
         first_hook = {}
+        first = _first_overflow(st, bucket_elements) if off_opt else None
+        if off_opt:
+            boundary = {"temporaries": bucket + norm}
+        if first is not None:
+            # the norm copy, beside the largest gradient when it was reduced alone (in place
+            # in the bucket otherwise)
+            reduced, held = first
+            overflow = {"temporaries": norm}
+            if reduced > bucket_elements:
+                overflow["gradients"] = one_grad
     if off_opt:  # DeepSpeedCPUAdam steps on the host, in place
         step = {"parameters": params, "temporaries": staging}
     else:
@@ -405,7 +462,29 @@ def _phases12(
             "optimizer_states": optim,
             "temporaries": adam_step_temporaries(part, cuda, mbytes),
         }
-    return Phases(compute, accumulated, backward, step, first_hook), host_rank
+    phases = Phases(
+        compute, accumulated, backward, step, first_hook, hook, boundary, overflow, held
+    )
+    return phases, host_rank
+
+
+def _first_overflow(st: ModelStats, bucket_elements: int) -> tuple[int, float] | None:
+    """ZeRO 2-3: the first reduction inside backward, when the next gradient would overflow
+    the bucket (``reduce_independent_p_g_buckets_and_remove_grads``): the gradient elements it
+    reduces and the share of the layers' activations still held then. The output layer's
+    gradient comes first (a llama's head, the size of the largest tensor; over the bucket, it
+    is reduced alone, with every activation held), then the layers' from the last. None when
+    every gradient fits the bucket until the embedding's (the epilogue reduces them, with no
+    activation left: ``boundary``)."""
+    if st.largest_param > bucket_elements:
+        return st.largest_param, 1.0
+    filled, done = st.largest_param, 0
+    while done < st.layers and filled + st.layer_params <= bucket_elements:
+        filled += st.layer_params
+        done += 1
+    if done >= st.layers:
+        return None
+    return filled, (st.layers - done) / st.layers
 
 
 def _phases3(
@@ -460,7 +539,37 @@ def _phases3(
             "optimizer_states": optim,
             "temporaries": bucket + adam_step_temporaries(sub, cuda, mbytes),
         }
-    return Phases(compute, {}, {}, step)
+    # a gathered parameter's gradient is whole when its hook fires; the norms are taken from
+    # fp64 copies of each gradient partition, at most 250M elements at a time
+    # (``_constant_buffered_norm2``): under offload as a reduction in backward moves the
+    # partitions to the host (``_offload_grad_partition_at_boundary``; on a GPU from a device
+    # copy of the host buffer, ``partition_grads``), else at the start of the step
+    # (``get_grad_norm_direct``). Stage 3 reduces when the bucket would overflow, as stage 2
+    one_grad = wbytes * st.largest_param
+    sliced = min(st.largest_param, part)
+    norm = NORM_BYTES * min(sliced, DS_NORM_CHUNK)
+    overflow: dict[str, int] = {}
+    held = 0.0
+    first = _first_overflow(st, int(config.get("reduce_bucket_size", DS_REDUCE_BUCKET)))
+    if off_opt and first is not None:
+        # the norm copy, beside the reduce-scatter's flat output of what the bucket held (the
+        # largest gradient itself when it was reduced alone) and, on a GPU, the device copy of
+        # the host partition the norm is taken from
+        reduced, held = first
+        overflow = {
+            "gradients": max(one_grad, wbytes * reduced // n),
+            "temporaries": norm + (wbytes * sliced if cuda else 0),
+        }
+    return Phases(
+        compute,
+        {},
+        {},
+        step,
+        hook={"gradients": one_grad},
+        boundary={"temporaries": norm},
+        overflow=overflow,
+        overflow_held=held,
+    )
 
 
 def _fsdp_states(

@@ -49,7 +49,7 @@ from trials.techniques.optimizer_in_backward import InBackward, steps_in_backwar
 #: the tag of storages made in host memory (offloaded activations): not on the traced device
 HOST = "host"
 
-CACHE_VERSION = 6
+CACHE_VERSION = 7
 #: kernels that can't be built here, traced as one that keeps the same tensors for backward
 #: (flash-attn and sdpa's flash kernel both keep q, k, v, the output and the log-sum-exp)
 TRACED_ATTENTION = {"flash_attention_2": "sdpa"}
@@ -82,12 +82,19 @@ class PhaseTracker(TorchDispatchMode):
         self.hooked = False
         self.hook_peak = 0
         self.at_hook_peak: dict[str, int] = {}
+        # the instant a first gradient hook fires (the largest over backward passes): what
+        # the gradient firing it is held with
+        self.first_hook_peak = 0
+        self.at_first_hook: dict[str, int] = {}
 
     def gradient_hook(self) -> None:
         """A gradient is complete; the first of a backward pass starts its hooked span."""
         if not self.hooked:
             self.hooked = True
             self._note_hook_peak()
+            if self.total > self.first_hook_peak:
+                self.first_hook_peak = self.total
+                self.at_first_hook = dict(self.live)
 
     def end_backward(self) -> None:
         """The backward pass is over: its hooked span ends."""
@@ -392,6 +399,8 @@ def trace_step(
     parts["peak"] = tracker.peak
     parts.update({f"hook:{k}": max(0, tracker.at_hook_peak.get(k, 0)) for k in PARTS})
     parts["hook:peak"] = tracker.hook_peak
+    parts.update({f"first_hook:{k}": max(0, tracker.at_first_hook.get(k, 0)) for k in PARTS})
+    parts["first_hook:peak"] = tracker.first_hook_peak
     parts["host_activations"] = tracker.host_peak
     parts["eager_fallback"] = fallback
     return parts
@@ -402,8 +411,8 @@ TRACED_STATES = ("parameters", "gradients", "optimizer_states")
 
 
 def _net_of_states(parts: dict[str, int], prefix: str = "") -> tuple[int, dict[str, int]]:
-    """A traced peak (``prefix``: "" the step's, "hook:" the one after a first gradient hook)
-    and its breakdown, less the trace's model states."""
+    """A traced peak (``prefix``: "" the step's, "hook:" the one after a first gradient hook,
+    "first_hook:" the one at it) and its breakdown, less the trace's model states."""
     breakdown = {k: parts[prefix + k] for k in PARTS}
     peak = parts[prefix + "peak"]
     for k in TRACED_STATES:
@@ -504,14 +513,28 @@ class TracedEstimator(Estimator):
             # step, with no activation left, hold more.
             peak, breakdown = _net_of_states(parts)
             held = zero_states_at(states.phases, "start of backward", accum)
-            # from the first gradient hook on, ZeRO 1-2's bucket beside what the trace held then
-            hook_peak, hook = _net_of_states(parts, "hook:")
-            hooked = zero_states_at(states.phases, "first gradient hook", accum)
-            if hook_peak + sum(hooked.values()) > peak + sum(held.values()):
-                peak, breakdown, held = hook_peak, hook, hooked
+            # at the first gradient hook, what fires it (and ZeRO 1-2's bucket) beside what
+            # the trace held then; from then on, the bucket beside the trace's later peak
+            for prefix, moment in (
+                ("first_hook:", "first gradient hook"),
+                ("hook:", "after the first gradient hook"),
+            ):
+                hook_peak, hook = _net_of_states(parts, prefix)
+                hooked = zero_states_at(states.phases, moment, accum)
+                if hook_peak + sum(hooked.values()) > peak + sum(held.values()):
+                    peak, breakdown, held = hook_peak, hook, hooked
+            if states.phases.overflow:
+                # ZeRO-2 under offload: the first reduction in backward, with what the trace
+                # held at the first hook scaled to the layers whose backward is still to come
+                held_share = states.phases.overflow_held
+                hook_peak, hook = _net_of_states(parts, "first_hook:")
+                over = zero_states_at(states.phases, "bucket overflow", accum)
+                if int(hook_peak * held_share) + sum(over.values()) > peak + sum(held.values()):
+                    breakdown = {k: int(v * held_share) for k, v in hook.items()}
+                    peak, held = sum(breakdown.values()), over
             stateful = [
                 zero_states_at(states.phases, moment, accum)
-                for moment in ("end of backward", "optimizer step")
+                for moment in ("end of backward", "accumulation boundary", "optimizer step")
             ]
             alone = max(stateful, key=lambda part: sum(part.values()))
             if sum(alone.values()) > peak + sum(held.values()):
