@@ -88,21 +88,97 @@ def zero_1_2_errors(estimator: Estimator) -> list[float]:
 def test_zero_1_2_peaks_of_the_measured_table() -> None:
     """The analytical peak against the search benchmark's measured reality (192 real CPU trials of
     a 0.9M-parameter LLaMA): every ZeRO-1/2 row (fp32/bf16, sdpa/eager, checkpointing,
-    micro-batch 1-4, optimizer offload) within 10% (reached: 8.9% at most, median |error| 2.4%);
-    before the bucket was counted at the first gradient hook, with the kept activations, stage 2
-    was 25% under."""
+    micro-batch 1-4, optimizer offload) within 10% (reached: 8.0% at most, median |error|
+    0.34%); before the bucket was counted at the first gradient hook, with the kept activations,
+    stage 2 was 25% under; before the gradient firing that hook and the fp64 norm copies were
+    counted, median 2.4%, max 8.9%."""
     errors = zero_1_2_errors(AnalyticalEstimator())
     assert len(errors) == 96
     assert max(abs(e) for e in errors) <= 0.10
-    assert statistics.median(abs(e) for e in errors) <= 0.04
+    assert statistics.median(abs(e) for e in errors) <= 0.007
 
 
 @pytest.mark.slow
 def test_zero_1_2_traced_peaks_of_the_measured_table() -> None:
     """The traced estimator against the same 96 measured ZeRO-1/2 rows (a fake-tensor step each,
-    ~50 s): reached median |error| 1.6%, max 10.5% (under); before the trace kept its peak from
-    the first gradient hook on, where ZeRO 1-2's bucket joins it, median 7.3%, max 25%."""
+    ~50 s): reached median |error| 0.17%, max 6.1%; before the trace kept its peak from the
+    first gradient hook on, where ZeRO 1-2's bucket joins it, median 7.3%, max 25%; before the
+    instant of that hook was kept apart (the gradient firing it, the norm copies counted),
+    median 1.6%, max 10.5%."""
     errors = zero_1_2_errors(TracedEstimator(use_cache=False))
     assert len(errors) == 96
-    assert max(abs(e) for e in errors) <= 0.12
-    assert statistics.median(abs(e) for e in errors) <= 0.03
+    assert max(abs(e) for e in errors) <= 0.08
+    assert statistics.median(abs(e) for e in errors) <= 0.004
+
+
+#: the scale replica (a 91M-parameter llama: vocab 32,000 x hidden 1,024), bf16, micro-batch 4 x
+#: seq 64, the optimizer offloaded: its embedding and head are 72% of the parameters, so
+#: DeepSpeed's per-gradient buffers (the largest gradient's fp64 norm copy) decide the peak
+REPLICA_OFFLOAD = {
+    "gradient_checkpointing": "off",
+    "attention": "sdpa",
+    "optimizer": "adamw",
+    "micro_batch_size": 4,
+    "precision": "bf16",
+    "offload_optimizer": "cpu",
+}
+
+
+#: (the ZeRO config, the agreement allowed: about twice the one reached). Measured training
+#: peak, analytical / traced: ZeRO-1 702,607,512 B, -0.00% / -0.00%; ZeRO-2 611,427,484 B,
+#: +0.16% / +0.10%; ZeRO-2 with a 5e7 bucket 626,178,844 B, -0.43% / -0.46%; ZeRO-3 545,891,485
+#: B, +0.18% / +0.11%; ZeRO-3 + parameter offload 363,429,020 B, +0.27% / +0.16%; the same with
+#: a 5e7 bucket 475,179,892 B, -1.78% / -1.82% (the reduce-scatter pads its flat output)
+REPLICA_CASES = {
+    "zero1": ({"zero_stage": 1, "reduce_bucket_size": 5_000_000}, 0.001),
+    "zero2-head-over-bucket": ({"zero_stage": 2, "reduce_bucket_size": 5_000_000}, 0.004),
+    "zero2-overflow-after-a-layer": ({"zero_stage": 2, "reduce_bucket_size": 50_000_000}, 0.01),
+    "zero3": ({"zero_stage": 3, "reduce_bucket_size": 5_000_000}, 0.004),
+    "zero3-param-offload": (
+        {"zero_stage": 3, "offload_param": "cpu", "reduce_bucket_size": 5_000_000},
+        0.006,
+    ),
+    "zero3-param-offload-overflow-after-a-layer": (
+        {"zero_stage": 3, "offload_param": "cpu", "reduce_bucket_size": 50_000_000},
+        0.04,
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", REPLICA_CASES)
+def test_replica_zero_offload_peaks_as_measured(case: str) -> None:
+    """Both estimators against a real ZeRO + optimizer offload trial of the scale replica (one
+    rank, run unbounded in this process). DeepSpeed takes each gradient's norm from an fp64
+    copy (8 B/element): stage 1 as the boundary's reduction copies the gradients to the host,
+    beside every 16-bit gradient; stages 2-3 at the first reduction in backward: the head's
+    gradient, over a 5e6 bucket, alone (every activation held), or, with a 5e7 bucket, when the
+    last layer's gradients overflow it (half the layers' activations held; stage 3 beside the
+    reduce-scatter's flat output). Reached: ``REPLICA_CASES``. Before these buffers were
+    counted: -37% and -39% (stages 1 and 2, analytical) and -95% (stage 3 with both offloads,
+    at seq 16 and micro-batch 1)."""
+    from tests.test_real_size import REPLICA
+    from trials.job import run_trial
+    from trials.spec import TrialSpec
+
+    extra, tolerance = REPLICA_CASES[case]
+    config = {**REPLICA_OFFLOAD, **extra}
+    # the estimates first: a ZeRO-3 trial leaves this process's modules patched
+    predicted = [
+        estimator.estimate(REPLICA, config, seq_len=64, global_batch_size=4).peak_bytes
+        for estimator in (AnalyticalEstimator(), TracedEstimator(use_cache=False))
+    ]
+    spec = TrialSpec(
+        model_config=REPLICA,
+        config=config,
+        seq_len=64,
+        global_batch_size=4,
+        budget_bytes=None,
+        warmup_steps=2,
+        measured_steps=1,
+        lr=3e-3,
+    )
+    measured = run_trial(spec)
+    assert measured.status == "ok", measured.error
+    for peak in predicted:
+        assert peak == pytest.approx(measured.training_peak_bytes, rel=tolerance)
