@@ -190,3 +190,39 @@ def test_zero2_offload_first_reduction_in_backward() -> None:
     # without offload the norm is taken at the step's start, from the reduced gradients
     assert phases(5_000_000, offload_optimizer="none").overflow == {}
     assert phases(5_000_000, offload_optimizer="none").boundary == {"temporaries": 8 * head}
+
+
+def test_zero3_epilogue_reduction_by_hand() -> None:
+    """ZeRO-3's last reduction, after backward, by hand on the scale replica (bf16, one rank;
+    head and embedding 32,768,000 elements each, two layers of 12,847,104, a final norm of
+    1,024: 91,231,232 in all). ``reduce_scatter_coalesced`` concatenates what the bucket held
+    (2 B each) unless it is one tensor alone; gloo copies that input on the CPU backend; under
+    offload the norm copy (8 B per head element) is made while the concatenation is alive, on a
+    GPU beside a device copy of the head's partition (2 B each)."""
+    from tests.test_real_size import REPLICA
+
+    head, everything = 32_000 * 1024, 91_231_232
+
+    def boundary(bucket: int, cuda: bool = False, **config: object) -> dict[str, int]:
+        cfg = {"zero_stage": 3, "offload_optimizer": "cpu", "precision": "bf16"}
+        cfg.update(config, reduce_bucket_size=bucket)
+        states = model_states(REPLICA, cfg, 1, cuda=cuda)
+        assert states.phases is not None
+        return states.phases.boundary
+
+    # a 1e8 bucket holds every gradient until the epilogue
+    assert boundary(10**8) == {"gradients": 2 * everything, "temporaries": 8 * head}
+    assert boundary(10**8, cuda=True) == {"gradients": 2 * everything, "temporaries": 10 * head}
+    # 5e7: the head and one layer are reduced in backward; the other layer and the embedding
+    # (and the final norm) are left: 12,847,104 + 32,769,024
+    assert boundary(5 * 10**7) == {"gradients": 2 * 45_616_128, "temporaries": 8 * head}
+    # 5e6: each is reduced as the next arrives; the embedding is left alone, used in place
+    # (gloo's copy of it, 2 B each, is under the norm copy)
+    assert boundary(5_000_000) == {"gradients": 0, "temporaries": 8 * head}
+    # without offload the norm waits for the step; the concatenation and gloo's copy of it are
+    # what the reduction holds (2 x 2 B each, over the norm's 8 B per head element here)
+    assert boundary(10**8, offload_optimizer="none") == {
+        "gradients": 2 * everything,
+        "temporaries": 2 * everything,
+    }
+    assert boundary(10**8, cuda=True, offload_optimizer="none") == {"temporaries": 8 * head}

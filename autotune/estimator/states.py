@@ -487,6 +487,22 @@ def _first_overflow(st: ModelStats, bucket_elements: int) -> tuple[int, float] |
     return filled, (st.layers - done) / st.layers
 
 
+def _last_reduction(st: ModelStats, bucket_elements: int) -> tuple[int, bool]:
+    """ZeRO-3: the gradient elements the epilogue reduces (what is left in the bucket after
+    backward, ``independent_gradient_partition_epilogue``) and whether that is one tensor
+    alone. The gradients come as ``_first_overflow`` walks them (the output layer's, the
+    layers' from the last, the embedding's last), the bucket reduced whenever the next one would
+    overflow it; a reduction is at most the bucket or the largest tensor."""
+    rest = max(0, st.n_params - st.largest_param - st.layers * st.layer_params)
+    filled = tensors = 0
+    for elements in (st.largest_param, *[st.layer_params] * st.layers, rest):
+        if filled and filled + elements > bucket_elements:
+            filled = tensors = 0
+        filled += elements
+        tensors += 1
+    return min(filled, max(bucket_elements, st.largest_param)), tensors == 1
+
+
 def _phases3(
     st: ModelStats,
     config: dict[str, Any],
@@ -550,23 +566,38 @@ def _phases3(
     norm = NORM_BYTES * min(sliced, DS_NORM_CHUNK)
     overflow: dict[str, int] = {}
     held = 0.0
-    first = _first_overflow(st, int(config.get("reduce_bucket_size", DS_REDUCE_BUCKET)))
+    # A reduction (``__avg_scatter_grads``) flattens what the bucket held into one buffer
+    # (``reduce_scatter_coalesced``'s torch.cat, in the communication dtype; one tensor alone is
+    # used in place), whose partitions stay views of it until ``partition_grads`` is done; on
+    # the CPU backend gloo copies that input for the reduce-scatter itself. Under offload
+    # ``partition_grads`` takes the norms then (from a device copy of the host partition on a
+    # GPU); without, the step does, once the buffer is gone.
+    bucket_elements = int(config.get("reduce_bucket_size", DS_REDUCE_BUCKET))
+    offload_norm = norm + (wbytes * sliced if cuda else 0)
+    first = _first_overflow(st, bucket_elements)
     if off_opt and first is not None:
-        # the norm copy, beside the reduce-scatter's flat output of what the bucket held (the
-        # largest gradient itself when it was reduced alone) and, on a GPU, the device copy of
-        # the host partition the norm is taken from
         reduced, held = first
+        flat = one_grad if reduced == st.largest_param else wbytes * reduced
         overflow = {
-            "gradients": max(one_grad, wbytes * reduced // n),
-            "temporaries": norm + (wbytes * sliced if cuda else 0),
+            "gradients": flat,
+            "temporaries": max(offload_norm, 0 if cuda else wbytes * reduced),
         }
+    last, alone = _last_reduction(st, bucket_elements)
+    flat = 0 if alone else wbytes * last
+    gloo = 0 if cuda else wbytes * last
+    if off_opt:
+        boundary = {"gradients": flat, "temporaries": max(gloo, offload_norm)}
+    elif flat + gloo >= norm:
+        boundary = {"gradients": flat, "temporaries": gloo}
+    else:
+        boundary = {"temporaries": norm}
     return Phases(
         compute,
         {},
         {},
         step,
         hook={"gradients": one_grad},
-        boundary={"temporaries": norm},
+        boundary=boundary,
         overflow=overflow,
         overflow_held=held,
     )
