@@ -2,16 +2,21 @@
 
     python benchmarks/estimator_accuracy.py                 # tiny-llama and small-llama, measured
     python benchmarks/estimator_accuracy.py --model llama-7b --no-measure   # traced vs analytical
+    python benchmarks/estimator_accuracy.py --measured-table  # the search benchmark's 192 trials
 
 For each configuration it runs the real trial job (``trials.job.run_trial``, CPU tracker: live
 tensor bytes from model construction through two optimizer steps), the traced estimator (the
 same loop on fake tensors) and the analytical one, and prints the peaks and the errors:
-traced vs measured, analytical vs traced. Not a test: it takes minutes.
+traced vs measured, analytical vs traced. Not a test: it takes minutes. ``--measured-table``
+instead prices every row of the search benchmark's measured reality (192 real DeepSpeed/CPU
+trials, ``benchmarks/realities/measured_mini_llama.json``) with the analytical estimator and
+prints its errors per ZeRO stage and the worst rows (a second).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -59,7 +64,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", action="append", help="default: tiny-llama and small-llama")
     ap.add_argument("--no-measure", action="store_true", help="traced vs analytical only")
+    ap.add_argument(
+        "--measured-table",
+        action="store_true",
+        help="the analytical estimator against the search benchmark's measured table",
+    )
     args = ap.parse_args(argv)
+    if args.measured_table:
+        return measured_table()
     models = args.model or ["tiny-llama", "small-llama"]
     traced, analytical = TracedEstimator(use_cache=False), AnalyticalEstimator()
     trace_err: list[float] = []
@@ -103,6 +115,43 @@ def main(argv: list[str] | None = None) -> int:
                 f"{label}: median |error| {statistics.median(absolute):.1f}%, "
                 f"max {max(absolute):.1f}% over {len(errs)} configs"
             )
+    return 0
+
+
+def measured_table(worst: int = 6) -> int:
+    from benchmarks.realities.measure import DEFAULT_OUT
+
+    table = json.loads(DEFAULT_OUT.read_text())
+    analytical = AnalyticalEstimator()
+    rows: list[tuple[float, dict[str, Any]]] = []
+    for row in table["rows"]:
+        predicted = analytical.estimate(
+            table["model_config"],
+            row["config"],
+            seq_len=table["seq_len"],
+            global_batch_size=table["global_batch_size"],
+            nproc=1,
+        ).peak_bytes
+        rows.append((pct(predicted, row["peak_bytes"]), row["config"]))
+    print("| ZeRO stage | rows | median abs error | most under | most over |")
+    print("|---|---:|---:|---:|---:|")
+    for stage in sorted({int(c.get("zero_stage", 0)) for _, c in rows}):
+        errs = [e for e, c in rows if int(c.get("zero_stage", 0)) == stage]
+        print(
+            f"| {stage} | {len(errs)} | {statistics.median(abs(e) for e in errs):.2f}% "
+            f"| {min(errs):+.1f}% | {max(errs):+.1f}% |"
+        )
+    absolute = [abs(e) for e, _ in rows]
+    print(
+        f"analytical vs measured: median |error| {statistics.median(absolute):.2f}%, "
+        f"max {max(absolute):.1f}% over {len(rows)} trials"
+    )
+    shown = ("zero_stage", "precision", "gradient_checkpointing", "micro_batch_size")
+    offloads = ("offload_optimizer", "offload_param")
+    for err, config in sorted(rows, key=lambda r: -abs(r[0]))[:worst]:
+        described = [f"{k}={config.get(k)}" for k in shown]
+        described += [k for k in offloads if config.get(k, "none") != "none"]
+        print(f"  {err:+.1f}%  {' '.join(described)}")
     return 0
 
 
