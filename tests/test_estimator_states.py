@@ -226,3 +226,35 @@ def test_zero3_epilogue_reduction_by_hand() -> None:
         "temporaries": 2 * everything,
     }
     assert boundary(10**8, cuda=True, offload_optimizer="none") == {"temporaries": 8 * head}
+
+
+def test_deepspeed_without_zero_by_hand() -> None:
+    """DeepSpeed's engine at ``zero_stage`` 0, by hand on the scale replica (91,231,232
+    parameters, the largest 32,768,000): in bf16 the model is 2 B/param beside
+    FP16_UnfusedOptimizer's fp32 copies (4), AdamW's moments 8; the step adds an fp32 copy of
+    every gradient (4) to the 16-bit ones (2) and torch's AdamW two fp32 temporaries of the
+    largest tensor; the boundary's all-reduce flattens the 16-bit gradients (2). In fp32: 4 + 4 +
+    8, and the flat buffer 4. Plain training (no ``zero_stage``) keeps its own accounting."""
+    from tests.test_real_size import REPLICA
+
+    psi, largest = 91_231_232, 32_768_000
+    cfg = {"zero_stage": 0, "precision": "bf16", "optimizer": "adamw"}
+    states = model_states(REPLICA, cfg, 1)
+    assert states.parts == {
+        "parameters": 6 * psi,
+        "gradients": 2 * psi,
+        "optimizer_states": 8 * psi,
+    }
+    assert states.phases is not None
+    assert states.phases.step == {
+        "parameters": 6 * psi,
+        "gradients": 6 * psi,
+        "optimizer_states": 8 * psi,
+        "temporaries": 2 * 4 * largest,
+    }
+    assert states.phases.boundary == {"temporaries": 2 * psi}
+    fp32 = model_states(REPLICA, {**cfg, "precision": "fp32"}, 1)
+    assert fp32.parts == {"parameters": 4 * psi, "gradients": 4 * psi, "optimizer_states": 8 * psi}
+    assert fp32.phases is not None and fp32.phases.boundary == {"temporaries": 4 * psi}
+    plain = model_states(REPLICA, {"precision": "bf16", "optimizer": "adamw"}, 1)
+    assert plain.phases is None and plain.parts["parameters"] == 4 * psi

@@ -7,8 +7,10 @@ as DeepSpeed counts it (``estimate_zero2_model_states_mem_needs`` in
 ``deepspeed/runtime/zero/stage_1_and_2.py``, ``estimate_zero3_model_states_mem_needs`` in
 ``stage3.py``):
 
-* ZeRO stage 0 is the trial job's own loop (torch autocast over fp32 weights): 4 Psi weights,
-  4 Psi gradients, K Psi states, nothing sharded (data parallel replicates them).
+* Without ZeRO, the trial job's own loop (torch autocast over fp32 weights): 4 Psi weights,
+  4 Psi gradients, K Psi states, nothing sharded (data parallel replicates them). ZeRO stage 0
+  runs DeepSpeed's engine: in 16 bits 2 Psi weights beside fp32 copies (4 Psi), 16-bit
+  gradients, and at the step fp32 copies of them (``FP16_UnfusedOptimizer``).
 * ZeRO 1-3 is DeepSpeed's engine. Mixed precision: 16-bit weights (2 Psi), 16-bit gradients,
   an fp32 master partition (4 Psi/N), Adam's states (K Psi/N) and, for stage 2, the fp32
   gradient partition (4 Psi/N): stage 2 is 2 Psi + 18 Psi/N on the GPU, as DeepSpeed's estimate.
@@ -50,7 +52,7 @@ from trials.techniques.quantization import (
     ROW_SCALE_BYTES,
     WEIGHT_BYTES,
 )
-from trials.techniques.zero import runs_deepspeed, zero_stage
+from trials.techniques.zero import runs_deepspeed
 
 Shape = tuple[int, ...]
 
@@ -62,6 +64,8 @@ DS_MAX_REUSE_DISTANCE = 1_000_000_000  # stage3_max_reuse_distance
 DS_MAX_LIVE_PARAMS = 1_000_000_000  # stage3_max_live_parameters
 DS_PERSISTENCE_THRESHOLD = 100_000  # stage3_param_persistence_threshold
 DS_SUB_GROUP = 1_000_000_000  # sub_group_size
+#: the engine's own all-reduce without ZeRO (``allreduce_gradients``: MEMORY_OPT_ALLREDUCE_SIZE)
+DS_ALLREDUCE_BUCKET = 500_000_000
 #: stage 3 takes a gradient's norm from fp64 copies of this many elements at a time
 #: (``_constant_buffered_norm2``'s buffer_size)
 DS_NORM_CHUNK = 250_000_000
@@ -108,11 +112,11 @@ def optimizer_state_bytes(name: str, shapes: list[Shape] | tuple[Shape, ...]) ->
 
 
 def deepspeed_states(config: dict[str, Any]) -> bool:
-    """Whether the model states are counted as DeepSpeed's ZeRO keeps them (16-bit weights
-    beside fp32 master partitions): a ZeRO stage above 0, or the traced estimator's marker
-    ``deepspeed``. Not ``trials.techniques.zero.runs_deepspeed`` (which engine the job runs,
-    stage 0 included): a stage-0 trial's states are estimated as plain training's."""
-    return bool(config.get("deepspeed")) or zero_stage(config) > 0
+    """Whether the model states are counted as DeepSpeed's engine keeps them (the model in 16
+    bits, fp32 master copies beside it): the job runs DeepSpeed
+    (``trials.techniques.zero.runs_deepspeed``, any ``zero_stage``, 0 included), or the traced
+    estimator's marker ``deepspeed``."""
+    return bool(config.get("deepspeed")) or runs_deepspeed(config)
 
 
 @dataclass
@@ -302,6 +306,8 @@ def model_states(
     states = model_optimizer_bytes(st, opt)
     if runs_fsdp(config):
         return _fsdp_states(st, config, n, per_host, states, load_copy)
+    if stage == 0 and runs_deepspeed(config):
+        return _deepspeed_without_zero(st, config, opt, states, load_copy)
     if stage == 0:
         grads = 4 * psi
         if n > 1 and not runs_deepspeed(config) and not steps_in_backward(config):
@@ -383,6 +389,49 @@ def model_states(
             st, config, n, part, wbytes, mbytes, optim, bucket, off_opt, off_param, cuda
         ),
         host_per_rank=host_rank,
+    )
+
+
+def _deepspeed_without_zero(
+    st: ModelStats, config: dict[str, Any], opt: str, states: int, load_copy: int
+) -> ModelStates:
+    """DeepSpeed's engine at ``zero_stage`` 0 (deepspeed/runtime/engine.py). In 16 bits it casts
+    the model and wraps the optimizer in ``FP16_UnfusedOptimizer`` (``DDP_BFLOAT16``/``FP16``;
+    deepspeed/runtime/fp16/unfused_optimizer.py): fp32 copies of every weight for the
+    optimizer, and at the step fp32 copies of every gradient, made before the optimizer runs,
+    beside the 16-bit ones. In fp32 the torch optimizer runs as it is. Either way, at the
+    boundary, ``allreduce_gradients`` flattens the gradients into one buffer (up to 5e8
+    elements) even on one rank. Every rank holds all of it."""
+    psi = st.n_params
+    half = str(config.get("precision", "fp32")) in ("bf16", "fp16")
+    wbytes = 2 if half else 4
+    weights = wbytes * psi + (4 * psi if half else 0)
+    grads = wbytes * psi
+    temps = OPTIMIZERS[opt].step_copies * 4 * st.largest_param
+    compute = {"parameters": weights, "optimizer_states": states}
+    step = {
+        "parameters": weights,
+        "gradients": grads + (4 * psi if half else 0),
+        "optimizer_states": states,
+        "temporaries": temps,
+    }
+    phases = Phases(
+        compute,
+        {"gradients": grads},
+        {},
+        step,
+        hook={"gradients": wbytes * st.largest_param},
+        boundary={"temporaries": wbytes * min(psi, DS_ALLREDUCE_BUCKET)},
+    )
+    notes = ["model states: DeepSpeed without ZeRO (its engine's accounting)"]
+    if half:
+        notes.append("fp32 master weights beside the 16-bit model (FP16_UnfusedOptimizer)")
+    return ModelStates(
+        {"parameters": weights, "gradients": grads, "optimizer_states": states},
+        replaces_trace=True,
+        host=_host(0, load_copy),
+        notes=notes,
+        phases=phases,
     )
 
 
