@@ -20,6 +20,7 @@ import torch.nn.functional
 from click.testing import CliRunner, Result
 
 from autotune.cli import main
+from autotune.estimator.states import clear_caches
 from autotune.models import REGISTRY
 from autotune.study import StudySettings
 from trials.spec import TrialResult, TrialSpec
@@ -117,6 +118,15 @@ def restore_torch_linear() -> Iterator[None]:
     170,245,540). Restored after each test."""
     yield
     torch.nn.functional.linear = TORCH_LINEAR
+
+
+@pytest.fixture(autouse=True)
+def fresh_estimator_sums() -> None:
+    """Each test computes the estimator's per-model sums itself, not from an earlier test: under
+    mutmut, which forks every mutant from a process that already ran the suite, the cached sums
+    hid every mutant of the functions that make them (``persistent_params``, ``_lora``: 32
+    survivors, none of them real)."""
+    clear_caches()
 
 
 @pytest.fixture()

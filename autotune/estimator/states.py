@@ -774,6 +774,15 @@ def host_with_activations(
 _LORA: dict[tuple[int, int], tuple[int, tuple[Shape, ...], int, int]] = {}
 
 
+def clear_caches() -> None:
+    """Forget the per-model sums above (``_STATE_BYTES``, ``_PERSISTENT``, ``_LORA``). For tests:
+    a process that forks per mutant (mutmut) inherits sums its parent computed with the
+    unmutated code, and a mutant of the function that computes them would never run."""
+    _STATE_BYTES.clear()
+    _PERSISTENT.clear()
+    _LORA.clear()
+
+
 def _lora(st: ModelStats, r: int) -> tuple[int, tuple[Shape, ...], int, int]:
     """The quantized base weights (every linear but the embeddings and the head: their count,
     that of their output rows), the LoRA shapes and their parameter count."""
