@@ -1,6 +1,7 @@
 """Model states per GPU and per host against DeepSpeed's own estimators (the oracle), for every
-ZeRO stage x offload x 1 and 8 GPUs, and parameter counts of every decoder family against the
-transformers model built on the meta device."""
+ZeRO stage x offload x 1, 2 and 8 GPUs (on 2, the offloaded states outweigh the model copies
+made at load, so the host figure tests them), and parameter counts of every decoder family
+against the transformers model built on the meta device."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def _ours(model: str, n: int, **config: object) -> tuple[int, int]:
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 @pytest.mark.parametrize("model", ["llama-7b", "llama-70b", "mixtral-8x7b"])
-@pytest.mark.parametrize("n", [1, 8])
+@pytest.mark.parametrize("n", [1, 2, 8])
 def test_zero1_and_zero2_match_deepspeed(
     model: str, n: int, precision: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -69,7 +70,7 @@ def test_zero1_and_zero2_match_deepspeed(
 
 
 @pytest.mark.parametrize("model", ["llama-7b", "llama-70b", "mixtral-8x7b"])
-@pytest.mark.parametrize("n", [1, 8])
+@pytest.mark.parametrize("n", [1, 2, 8])
 def test_zero3_matches_deepspeed(model: str, n: int, capsys: pytest.CaptureFixture[str]) -> None:
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs_all_cold
 
@@ -258,3 +259,15 @@ def test_deepspeed_without_zero_by_hand() -> None:
     assert fp32.phases is not None and fp32.phases.boundary == {"temporaries": 4 * psi}
     plain = model_states(REPLICA, {"precision": "bf16", "optimizer": "adamw"}, 1)
     assert plain.phases is None and plain.parts["parameters"] == 4 * psi
+    # the gradient a hook fires for, beside the others: the largest, 16-bit or fp32
+    assert states.phases.hook == {"gradients": 2 * largest}
+    assert fp32.phases.hook == {"gradients": 4 * largest}
+    # fp16 is kept as bf16 is; no precision is fp32, with no master copies to note
+    fp16 = model_states(REPLICA, {**cfg, "precision": "fp16"}, 1)
+    assert (fp16.parts, fp16.phases) == (states.parts, states.phases)
+    default = model_states(REPLICA, {"zero_stage": 0, "optimizer": "adamw"}, 1)
+    assert (default.parts, default.phases) == (fp32.parts, fp32.phases)
+    assert any("FP16_UnfusedOptimizer" in note for note in states.notes)
+    assert not any("FP16_UnfusedOptimizer" in note for note in fp32.notes)
+    # the engine's states replace what a trace of the model's own step would count
+    assert states.replaces_trace and fp32.replaces_trace and not plain.replaces_trace
