@@ -225,12 +225,12 @@ _PERSISTENT: dict[tuple[int, int], int] = {}
 
 
 def persistent_params(st: ModelStats, threshold: int) -> int:
-    """Parameters ZeRO-3 keeps gathered for good: every tensor under
-    ``stage3_param_persistence_threshold`` elements (``mark_persistent_parameters``,
-    deepspeed/runtime/zero/parameter_offload.py)."""
+    """Parameters ZeRO-3 keeps gathered for good: every tensor of at most
+    ``stage3_param_persistence_threshold`` elements (``param.ds_numel <= param_threshold`` in
+    ``mark_persistent_parameters``, deepspeed/runtime/zero/parameter_offload.py)."""
     key = (id(st), threshold)
     if key not in _PERSISTENT:
-        _PERSISTENT[key] = sum(numel(s) for s in st.shapes if numel(s) < threshold)
+        _PERSISTENT[key] = sum(numel(s) for s in st.shapes if numel(s) <= threshold)
     return _PERSISTENT[key]
 
 
