@@ -74,6 +74,25 @@ def test_qlora_states_match_the_adapted_model(name: str, rank: int) -> None:
             quant
         )
         assert states.host_bytes == pytest.approx(4 * total * 1.5, abs=4)  # fp32 load copy
+        # in bf16, autocast's 16-bit copy of each quantized weight (2 B each) is what a trace
+        # of the unquantized model saw and the quantized one never makes; none in fp32
+        bf16 = model_states(
+            model_cfg,
+            {"quantization": quant, "lora_r": rank, "optimizer": "adamw", "precision": "bf16"},
+            1,
+        )
+        assert (states.frozen_copies, bf16.frozen_copies) == (0, 2 * quantized)
+        assert states.replaces_trace and bf16.parts == states.parts
+
+
+def test_lora_rank_defaults_to_the_jobs() -> None:
+    """A config without ``lora_r`` is estimated at the rank the job adapts with."""
+    from trials.techniques.quantization import LORA_RANK
+
+    cfg = SMALL["tiny-llama"]
+    base = {"quantization": "nf4", "optimizer": "adamw"}
+    assert model_states(cfg, base, 1) == model_states(cfg, {**base, "lora_r": LORA_RANK}, 1)
+    assert model_states(cfg, base, 1) != model_states(cfg, {**base, "lora_r": LORA_RANK * 2}, 1)
 
 
 @pytest.mark.parametrize("name", ["adamw", "adafactor", "lion"])

@@ -6,6 +6,8 @@ and DeepSpeed's pure-bf16 option counted by hand."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from autotune.estimator.states import model_states
@@ -157,3 +159,102 @@ def test_offloaded_activations_are_host_memory_per_machine() -> None:
     kept, notes = host({**config, "activation_offload": "none"}, 1)
     assert "activations" not in kept
     assert not any("activations offloaded" in note for note in notes)
+
+
+@pytest.mark.parametrize("n", [3, 7])
+def test_bytes_are_whole_numbers_on_any_number_of_ranks(n: int) -> None:
+    """Shards of a model over a number of ranks it does not divide (tiny-llama's 7,358,720
+    parameters over 3 or 7) are whole bytes, as DeepSpeed's and FSDP's partitions are whole
+    elements: every figure of every stage and offload, device, host and phase, is an int (a
+    float there would be stored, compared and shown as a fraction of a byte)."""
+    assert PARAMS % n
+    configs = [
+        {"zero_stage": stage, "precision": precision, **offload}
+        for stage in (0, 1, 2, 3)
+        for precision in ("fp32", "bf16")
+        for offload in (
+            {},
+            {"offload_optimizer": "cpu"},
+            {"offload_optimizer": "cpu", "offload_param": "cpu"},
+        )
+    ] + [{"fsdp": "full_shard"}, {"fsdp": "full_shard", "fsdp_offload": "cpu"}, {}]
+    for config in configs:
+        for nodes in (1, n):
+            states = model_states(TINY, config, n, nodes=nodes, accumulation=2, cuda=False)
+            figures = [*states.parts.values(), *states.host.values(), states.host_per_rank]
+            if states.phases is not None:
+                for moment in (
+                    "compute",
+                    "accumulated",
+                    "backward",
+                    "step",
+                    "first_hook",
+                    "hook",
+                    "boundary",
+                    "overflow",
+                ):
+                    figures += getattr(states.phases, moment).values()
+            assert all(type(x) is int for x in figures), (config, nodes, figures)
+
+
+def test_the_per_model_sums_are_per_model() -> None:
+    """The sums kept per model (optimizer state bytes, ZeRO-3's persistent parameters, the
+    LoRA shapes) are those of the model asked for, not of one asked for before: each of two
+    models, asked one after the other, as when it is asked first."""
+    from autotune.estimator.states import clear_caches
+    from tests.test_real_size import REPLICA
+
+    configs = [
+        {"zero_stage": 3, "precision": "bf16", "reduce_bucket_size": 5_000_000},
+        {"quantization": "nf4", "precision": "bf16"},
+        {"optimizer": "adafactor"},
+    ]
+    for config in configs:
+        one_after_the_other = [model_states(m, config, 2) for m in (TINY, REPLICA)]
+        for model, states in zip((TINY, REPLICA), one_after_the_other, strict=True):
+            clear_caches()
+            assert model_states(model, config, 2) == states, config
+
+
+def test_persistence_threshold_includes_a_tensor_of_its_size() -> None:
+    """ZeRO-3 keeps gathered every parameter of at most ``stage3_param_persistence_threshold``
+    elements (``param.ds_numel <= param_threshold``, DeepSpeed's ``mark_persistent_parameters``):
+    a llama whose every tensor has at most 100,000 elements (the embedding and head, 1,000 x
+    100, exactly that) keeps all of them."""
+    from autotune.estimator.states import persistent_params
+
+    small = {
+        "model_type": "llama",
+        "vocab_size": 1000,
+        "hidden_size": 100,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 5,
+        "num_key_value_heads": 5,
+    }
+    st = stats_of(small)
+    sizes = sorted((math.prod(shape) for shape in st.shapes), reverse=True)
+    assert sizes[:3] == [100_000, 100_000, 10_000]
+    assert persistent_params(st, 100_000) == st.n_params
+    assert persistent_params(st, 99_999) == st.n_params - 2 * 100_000
+
+
+def test_the_estimators_take_any_micro_batch_and_the_accumulation_it_gives() -> None:
+    """The estimators price what-ifs too: a micro-batch that does not divide the global batch
+    (3 of 8) is estimated, at the whole accumulation steps it gives (2), where a trial would
+    refuse it; the accumulation reaches the states: ZeRO-2 with offload, micro-batch 4 of 8,
+    keeps the host's accumulated gradients, as the pinned measured trial counts
+    (``tests/test_estimator_measured.py``, 151,368,704 B on one rank)."""
+    from autotune.estimator.states import estimator_states
+
+    odd = estimator_states(TINY, {"micro_batch_size": 3}, 1, 8, None)
+    assert odd == estimator_states(TINY, {"micro_batch_size": 2}, 1, 4, None)
+    offload = {
+        "zero_stage": 2,
+        "offload_optimizer": "cpu",
+        "precision": "bf16",
+        "micro_batch_size": 4,
+        "reduce_bucket_size": 5_000_000,
+        "allgather_bucket_size": 5_000_000,
+    }
+    assert estimator_states(TINY, offload, 1, 8, None).host_per_rank == 151_368_704

@@ -186,6 +186,16 @@ def test_zero2_offload_first_reduction_in_backward() -> None:
     assert phases(50_000_000).overflow == {"temporaries": 8 * head}
     assert phases(50_000_000).overflow_held == 0.5
     assert phases(100_000_000).overflow == {}
+    # a bucket of exactly the head's size holds it (in place): it is reduced from the bucket
+    # when the first layer's gradient arrives, every activation still held
+    assert phases(head).overflow == {"temporaries": 8 * head}
+    assert phases(head).overflow_held == 1.0
+    # under offload the gradients accumulate on the host, through a device buffer the size of
+    # the largest (2 B each); without, in this rank's 16-bit partition (all of it, one rank)
+    assert phases(5_000_000).accumulated == {"gradients": 0}
+    assert phases(5_000_000).compute["temporaries"] == 2 * head
+    assert phases(5_000_000, offload_optimizer="none").accumulated == {"gradients": 2 * 91_231_232}
+    assert phases(5_000_000, offload_optimizer="none").compute["temporaries"] == 0
     # then the norm copy is made at the epilogue's reduction, beside the bucket (2 B x 1e8)
     assert phases(100_000_000).boundary == {"temporaries": 2 * 10**8 + 8 * head}
     # without offload the norm is taken at the step's start, from the reduced gradients
@@ -227,6 +237,10 @@ def test_zero3_epilogue_reduction_by_hand() -> None:
         "temporaries": 2 * everything,
     }
     assert boundary(10**8, cuda=True, offload_optimizer="none") == {"temporaries": 8 * head}
+    # a bucket of exactly the last layer and the embedding (with the final norm), 12,847,104 +
+    # 32,769,024: the walk reduces the head with the first layer, then the second layer and the
+    # embedding fill it to the element and are left together, concatenated, for the epilogue
+    assert boundary(45_616_128) == {"gradients": 2 * 45_616_128, "temporaries": 8 * head}
 
 
 def test_deepspeed_without_zero_by_hand() -> None:
@@ -257,6 +271,12 @@ def test_deepspeed_without_zero_by_hand() -> None:
     fp32 = model_states(REPLICA, {**cfg, "precision": "fp32"}, 1)
     assert fp32.parts == {"parameters": 4 * psi, "gradients": 4 * psi, "optimizer_states": 8 * psi}
     assert fp32.phases is not None and fp32.phases.boundary == {"temporaries": 4 * psi}
+    assert fp32.phases.step == {
+        "parameters": 4 * psi,
+        "gradients": 4 * psi,
+        "optimizer_states": 8 * psi,
+        "temporaries": 2 * 4 * largest,
+    }
     plain = model_states(REPLICA, {"precision": "bf16", "optimizer": "adamw"}, 1)
     assert plain.phases is None and plain.parts["parameters"] == 4 * psi
     # the gradient a hook fires for, beside the others: the largest, 16-bit or fp32
@@ -271,3 +291,146 @@ def test_deepspeed_without_zero_by_hand() -> None:
     assert not any("FP16_UnfusedOptimizer" in note for note in fp32.notes)
     # the engine's states replace what a trace of the model's own step would count
     assert states.replaces_trace and fp32.replaces_trace and not plain.replaces_trace
+
+
+def test_zero3_gathered_window_and_step_by_hand() -> None:
+    """ZeRO-3's parameter coordinator and step, by hand on the scale replica (bf16; 91,231,232
+    parameters, the largest module the head's 32,768,000, norms of 1,024 below the persistence
+    threshold: 2 layers x 2 + 1 = 5,120 elements). With ``reduce_bucket_size`` 5e6 the trial
+    sets reuse distance, live parameters and prefetch to it: gathered are the persistent ones,
+    plus at most reuse + the module in use + prefetch (5e6 + 32,768,000 + 5e6). On two ranks
+    (each a 45,615,616-element partition): the 16-bit partition and that window; the step
+    makes the sub-group's fp32 gradients (4 B) beside the 16-bit partition and torch's
+    single-tensor AdamW two fp32 temporaries of it. One GPU with the partition offloaded
+    fetches the same window to the device; one rank on the CPU uses the host partition in
+    place."""
+    from tests.test_real_size import REPLICA
+
+    psi, part, head, persistent = 91_231_232, 45_615_616, 32_768_000, 5_120
+    window = 5_000_000 + head + 5_000_000
+    cfg = {"zero_stage": 3, "precision": "bf16", "reduce_bucket_size": 5_000_000}
+    two = model_states(REPLICA, cfg, 2, cuda=False).phases
+    assert two is not None
+    assert two.compute == {
+        "parameters": 2 * part + 2 * (persistent + window),
+        "gradients": 2 * part,
+        "optimizer_states": (4 + 8) * psi // 2,
+        "temporaries": 2 * 5_000_000,
+    }
+    assert two.step == {
+        "parameters": 2 * part + 2 * persistent,
+        "gradients": 2 * part + 4 * part,
+        "optimizer_states": (4 + 8) * psi // 2,
+        "temporaries": 2 * 5_000_000 + 2 * 4 * part,
+    }
+    offloaded = {**cfg, "offload_optimizer": "cpu", "offload_param": "cpu"}
+    gpu = model_states(REPLICA, offloaded, 1, cuda=True).phases
+    cpu = model_states(REPLICA, offloaded, 1, cuda=False).phases
+    assert gpu is not None and cpu is not None
+    assert gpu.compute["parameters"] == 2 * (persistent + window)
+    assert cpu.compute["parameters"] == 0
+    # under offload the device keeps the gathered persistent parameters through the step
+    assert gpu.step == {"parameters": 2 * persistent, "temporaries": 2 * 5_000_000}
+
+
+def test_zero3_offload_first_reduction_in_backward_by_hand() -> None:
+    """ZeRO-3 under optimizer offload reduces inside backward as ZeRO-2 does (see
+    ``test_zero2_offload_first_reduction_in_backward``), and the reduction's partitions go to
+    the host there, their norms taken from fp64 copies (8 B per head element): a 5e6 bucket
+    reduces the head alone, in place, with every activation held; 5e7 the head and one layer,
+    concatenated (2 B each, the norm copy larger), half held; 1e8 nothing before the epilogue.
+    On a GPU the norm reads a device copy of the head's host partition (2 B more each); on the
+    CPU backend gloo's copy of the concatenation (2 B each) is under the norm copy."""
+    from tests.test_real_size import REPLICA
+
+    head, layer = 32_768_000, 12_847_104
+
+    def phases(bucket: int, cuda: bool, **config: object) -> Phases:
+        cfg = {"zero_stage": 3, "offload_optimizer": "cpu", "precision": "bf16"}
+        states = model_states(
+            REPLICA, {**cfg, "reduce_bucket_size": bucket, **config}, 1, cuda=cuda
+        )
+        assert states.phases is not None
+        return states.phases
+
+    for cuda, norm in ((False, 8 * head), (True, 10 * head)):
+        alone = phases(5_000_000, cuda)
+        assert (alone.overflow, alone.overflow_held) == (
+            {"gradients": 2 * head, "temporaries": norm},
+            1.0,
+        )
+        after_a_layer = phases(50_000_000, cuda)
+        assert (after_a_layer.overflow, after_a_layer.overflow_held) == (
+            {"gradients": 2 * (head + layer), "temporaries": norm},
+            0.5,
+        )
+        assert phases(10**8, cuda).overflow == {}
+        assert phases(5_000_000, cuda, offload_optimizer="none").overflow == {}
+    # the gradient whose hook fires, whole: the head's
+    assert phases(5_000_000, False).hook == {"gradients": 2 * head}
+
+
+def test_zero12_step_by_hand() -> None:
+    """ZeRO-2's step without offload, by hand on the scale replica (one rank, bf16, 91,231,232
+    parameters): the 16-bit model (2 B), the fp32 gradient partition made for the step (4 B),
+    the fp32 master and AdamW's moments (4 + 8 B), and the flat partition's AdamW temporaries:
+    one fp32 copy on CUDA (the foreach path), two on the CPU (torch's single-tensor path). In
+    pure bf16 the gradient partition, master and moments are 2 + 2 + 4 B and the temporaries
+    bf16."""
+    from tests.test_real_size import REPLICA
+
+    psi = 91_231_232
+    cfg = {"zero_stage": 2, "precision": "bf16", "reduce_bucket_size": 5_000_000}
+    for cuda, copies in ((True, 1), (False, 2)):
+        phases = model_states(REPLICA, cfg, 1, cuda=cuda).phases
+        assert phases is not None
+        assert phases.step == {
+            "parameters": 2 * psi,
+            "gradients": 4 * psi,
+            "optimizer_states": 12 * psi,
+            "temporaries": copies * 4 * psi,
+        }
+    pure = model_states(REPLICA, {**cfg, "master_weights": "bf16"}, 1, cuda=False).phases
+    assert pure is not None
+    assert pure.step == {
+        "parameters": 2 * psi,
+        "gradients": 2 * psi,
+        "optimizer_states": 6 * psi,
+        "temporaries": 2 * 2 * psi,
+    }
+
+
+def test_nodes_split_the_host_as_deepspeed_does(capsys: pytest.CaptureFixture[str]) -> None:
+    """8 GPUs over two nodes of 4, through the estimators' own entry (``estimator_states``, the
+    nodes taken from the GPU spec). Without offload, per node, DeepSpeed's estimate for 4 GPUs
+    a node and 2 nodes (its ``num_nodes``): a 4 B/param load copy per GPU of the node. With
+    offload DeepSpeed's figure is max(4 x every GPU, 16) Psi per CPU whatever the nodes (one
+    node's bound); by hand, a node holds its ranks' half of the 16 B/param offloaded states
+    or its four load copies, the larger, times DeepSpeed's buffer factor 1.5."""
+    from deepspeed.runtime.zero.stage_1_and_2 import (
+        estimate_zero2_model_states_mem_needs_all_cold,
+    )
+
+    from autotune.estimator.gpus import GPUS
+    from autotune.estimator.states import estimator_states
+
+    model = REGISTRY["llama-7b"].config
+    psi = stats_of(model).n_params
+    ds = _deepspeed_table(estimate_zero2_model_states_mem_needs_all_cold, psi, 4, 2, capsys=capsys)
+    gpu = GPUS["a100-80gb"].spanning(2, 4)
+    cfg = {"zero_stage": 2, "precision": "bf16", "optimizer": "adamw"}
+    for offload in ("cpu", "none"):
+        states = estimator_states(model, {**cfg, "offload_optimizer": offload}, 8, 8, gpu)
+        ds_host, ds_gpu = ds[f"offload_optimizer={offload}"]
+        assert states.gpu_bytes == pytest.approx(ds_gpu, rel=DS_AGREEMENT), offload
+        if offload == "none":
+            assert states.host_bytes == pytest.approx(ds_host, rel=DS_AGREEMENT)
+        else:
+            by_hand = 1.5 * max(16 * psi * 4 / 8, 4 * psi * 4)
+            assert states.host_bytes == pytest.approx(by_hand, abs=8)
+    # a GPU prices CUDA's AdamW (one fp32 temporary of the partition), no GPU the CPU's (two)
+    on_gpu = estimator_states(model, cfg, 1, 8, GPUS["a100-80gb"]).phases
+    on_cpu = estimator_states(model, cfg, 1, 8, None).phases
+    assert on_gpu is not None and on_cpu is not None
+    assert on_gpu.step["temporaries"] == 4 * psi
+    assert on_cpu.step["temporaries"] == 2 * 4 * psi
