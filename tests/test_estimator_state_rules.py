@@ -258,3 +258,78 @@ def test_the_estimators_take_any_micro_batch_and_the_accumulation_it_gives() -> 
         "allgather_bucket_size": 5_000_000,
     }
     assert estimator_states(TINY, offload, 1, 8, None).host_per_rank == 151_368_704
+
+
+def test_fsdp2_held_by_hand() -> None:
+    """What an FSDP2 rank holds, moment by moment, by hand on tiny-llama (7,358,720 parameters;
+    4 blocks of 791,040; the root's embedding, head and final norm 4,194,560; the head 8,192 x
+    256 = 2,097,152), two ranks, bf16 (2 B gathered). Its fp32 shards (4 B / 2) and AdamW's
+    moments (8 B / 2) always; the root gathered from its forward to the end of backward; under
+    ``full_shard`` each block resharded after its forward, under ``shard_grad_op`` every block
+    kept gathered until its backward; the head's gradient from the start of backward; in a
+    block's backward its gathered gradient, the reduce-scatter's fp32 input and, on a CPU,
+    gloo's fp32 copy of it (2 + 4 + 4 B a parameter); at the end, the root's gradients
+    reduced; at the step the fp32 gradient shards and AdamW's two fp32 temporaries (one on
+    CUDA) of the largest tensor's shard."""
+    from autotune.estimator.states import fsdp_held
+
+    st = stats_of(TINY)
+    psi, block, root, head = 7_358_720, 791_040, 4_194_560, 2_097_152
+    assert (st.n_params, st.layer_params, psi - 4 * block) == (psi, block, root)
+    shards, moments = 4 * psi // 2, 8 * psi // 2
+    reduced = 4 * (psi - root) // 2  # every block's reduced fp32 gradient shard
+    bf16 = {"fsdp": "full_shard", "precision": "bf16"}
+
+    def held(config: dict, moment: str, n: int = 2, accum: int = 1, cuda: bool = False) -> tuple:
+        h = fsdp_held(st, config, n, moment, accum, cuda)
+        return h["parameters"], h["gradients"], h["optimizer_states"], h["temporaries"]
+
+    assert held(bf16, "end of forward") == (shards + 2 * root, 0, moments, 0)
+    assert held(bf16, "start of backward") == (shards + 2 * root, 2 * head, moments, 0)
+    assert held(bf16, "first layer's backward") == (
+        shards + 2 * root + 2 * 2 * block,
+        reduced + 2 * head,
+        moments,
+        (2 + 4 + 4) * block,
+    )
+    assert held(bf16, "end of backward") == (
+        shards + 2 * root,
+        reduced,
+        moments,
+        (2 + 4 + 4) * root,
+    )
+    largest_shard = head // 2
+    assert held(bf16, "optimizer step") == (shards, shards, moments, 2 * 4 * largest_shard)
+    # CUDA: no gloo copy, the root resharded before the reduction, CUDA's AdamW
+    assert held(bf16, "end of backward", cuda=True) == (shards, reduced, moments, 6 * root)
+    assert held(bf16, "optimizer step", cuda=True)[3] == 4 * largest_shard
+    # shard_grad_op keeps the 4 blocks gathered from their forward to their backward
+    sgo = {**bf16, "fsdp": "shard_grad_op"}
+    assert held(sgo, "end of forward")[0] == shards + 2 * root + 4 * 2 * block
+    assert held(sgo, "start of backward")[0] == shards + 2 * root + 4 * 2 * block
+    # accumulating over two micro-batches keeps each rank's fp32 gradient shards
+    assert held(bf16, "start of backward", accum=2)[1] == shards + 2 * head
+    assert held(bf16, "first layer's backward", accum=2)[1] == shards + 2 * head
+    assert held(bf16, "end of backward", accum=2)[1] == shards
+    # offloaded: shards, gradients and moments on the host, the step there; on a CPU the
+    # reduced output is the host gradient itself
+    off = {**bf16, "fsdp_offload": "cpu"}
+    assert held(off, "optimizer step") == (0, 0, 0, 0)
+    assert held(off, "first layer's backward") == (
+        2 * root + 2 * 2 * block,
+        2 * head,
+        0,
+        (2 + 4 + 4) * block,
+    )
+    assert held(off, "end of backward") == (2 * root, 0, 0, (2 + 4 + 4) * root)
+    assert held(off, "end of backward", cuda=True) == (0, 0, 0, max(6 * root, 4 * root + 2 * root))
+    # one rank in fp32 (the default precision): the gathered parameters are the shards
+    fp32 = {"fsdp": "full_shard"}
+    assert held(fp32, "end of forward", n=1) == (4 * psi, 0, 8 * psi, 0)
+    assert held(fp32, "first layer's backward", n=1) == (
+        4 * psi,
+        4 * (psi - root) + 4 * head,
+        8 * psi,
+        (4 + 4) * block,
+    )
+    assert held(fp32, "end of backward", n=1)[3] == max(8 * root, 4 * root + 4 * root)
