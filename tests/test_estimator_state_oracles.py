@@ -76,13 +76,22 @@ def test_qlora_states_match_the_adapted_model(name: str, rank: int) -> None:
         assert states.host_bytes == pytest.approx(4 * total * 1.5, abs=4)  # fp32 load copy
         # in bf16, autocast's 16-bit copy of each quantized weight (2 B each) is what a trace
         # of the unquantized model saw and the quantized one never makes; none in fp32
-        bf16 = model_states(
-            model_cfg,
-            {"quantization": quant, "lora_r": rank, "optimizer": "adamw", "precision": "bf16"},
-            1,
-        )
+        bf16_cfg = {
+            "quantization": quant,
+            "lora_r": rank,
+            "optimizer": "adamw",
+            "precision": "bf16",
+        }
+        bf16 = model_states(model_cfg, bf16_cfg, 1)
         assert (states.frozen_copies, bf16.frozen_copies) == (0, 2 * quantized)
+        fp16 = model_states(model_cfg, {**bf16_cfg, "precision": "fp16"}, 1)
+        assert fp16.frozen_copies == 2 * quantized
         assert states.replaces_trace and bf16.parts == states.parts
+        # nothing is offloaded: the host holds the fp32 model the job loads first
+        assert states.host["offloaded states"] == 0
+        assert states.notes == [
+            f"{quant} base weights + LoRA r={rank} ({lora / 1e6:.1f}M trainable) by formula"
+        ]
 
 
 def test_lora_rank_defaults_to_the_jobs() -> None:

@@ -190,6 +190,9 @@ def test_zero2_offload_first_reduction_in_backward() -> None:
     # when the first layer's gradient arrives, every activation still held
     assert phases(head).overflow == {"temporaries": 8 * head}
     assert phases(head).overflow_held == 1.0
+    # and one of exactly the head and a layer takes that layer too, to the element
+    assert phases(head + 12_847_104).overflow == {"temporaries": 8 * head}
+    assert phases(head + 12_847_104).overflow_held == 0.5
     # under offload the gradients accumulate on the host, through a device buffer the size of
     # the largest (2 B each); without, in this rank's 16-bit partition (all of it, one rank)
     assert phases(5_000_000).accumulated == {"gradients": 0}
@@ -329,8 +332,16 @@ def test_zero3_gathered_window_and_step_by_hand() -> None:
     assert gpu is not None and cpu is not None
     assert gpu.compute["parameters"] == 2 * (persistent + window)
     assert cpu.compute["parameters"] == 0
-    # under offload the device keeps the gathered persistent parameters through the step
+    # under offload the device keeps the gathered persistent parameters through the step, and
+    # no gradient partition (that is on the host)
     assert gpu.step == {"parameters": 2 * persistent, "temporaries": 2 * 5_000_000}
+    assert gpu.compute["gradients"] == 0
+    # CUDA's AdamW makes one fp32 temporary of the partition; pure bf16 steps in bf16 (2 B)
+    cuda = model_states(REPLICA, cfg, 2, cuda=True).phases
+    pure = model_states(REPLICA, {**cfg, "master_weights": "bf16"}, 2, cuda=False).phases
+    assert cuda is not None and pure is not None
+    assert cuda.step["temporaries"] == 2 * 5_000_000 + 4 * part
+    assert pure.step["temporaries"] == 2 * 5_000_000 + 2 * 2 * part
 
 
 def test_zero3_offload_first_reduction_in_backward_by_hand() -> None:
@@ -434,3 +445,66 @@ def test_nodes_split_the_host_as_deepspeed_does(capsys: pytest.CaptureFixture[st
     assert on_gpu is not None and on_cpu is not None
     assert on_gpu.step["temporaries"] == 4 * psi
     assert on_cpu.step["temporaries"] == 2 * 4 * psi
+
+
+#: a llama of many small layers beside a small vocabulary (1,000 x 256: the head and embedding
+#: 256,000 each; 8 layers of 791,040; 6,840,576 in all), where a reduction's concatenation,
+#: not the head's norm copy, is what ZeRO-3 holds most of
+MANY_LAYERS = {
+    "model_type": "llama",
+    "vocab_size": 1000,
+    "hidden_size": 256,
+    "intermediate_size": 688,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+}
+
+
+def test_zero3_reductions_of_many_layers_by_hand() -> None:
+    """ZeRO-3 in fp32 with optimizer offload on ``MANY_LAYERS``, bucket 5e6: the head and five
+    layers fill it (4,211,200; the sixth would overflow it), reduced in backward with 3 of 8
+    layers' activations still held: the concatenation (4 B each) and, on the CPU backend,
+    gloo's copy of it, larger than the head's fp64 norm copy (8 x 256,000); on a GPU that norm
+    copy and the device copy of the head's partition (4 B each). The epilogue reduces the last
+    three layers and the embedding with the final norm (2,629,376), concatenated. Without
+    offload and with a bucket over the model, one reduction of everything: on a GPU nothing
+    beside the concatenation (no gloo, the norm taken later and smaller)."""
+    first, last, psi, head = 4_211_200, 2_629_376, 6_840_576, 256_000
+    assert stats_of(MANY_LAYERS).n_params == psi
+    cfg = {"zero_stage": 3, "offload_optimizer": "cpu", "reduce_bucket_size": 5_000_000}
+    for cuda, overflow_temporaries, boundary_temporaries in (
+        (False, 4 * first, 4 * last),
+        (True, 8 * head + 4 * head, 8 * head + 4 * head),
+    ):
+        phases = model_states(MANY_LAYERS, cfg, 1, cuda=cuda).phases
+        assert phases is not None
+        assert phases.overflow == {"gradients": 4 * first, "temporaries": overflow_temporaries}
+        assert phases.overflow_held == 3 / 8
+        assert phases.boundary == {"gradients": 4 * last, "temporaries": boundary_temporaries}
+    whole = {"zero_stage": 3, "reduce_bucket_size": 10**8}
+    for cuda, gloo in ((False, 4 * psi), (True, 0)):
+        phases = model_states(MANY_LAYERS, whole, 1, cuda=cuda).phases
+        assert phases is not None
+        assert phases.boundary == {"gradients": 4 * psi, "temporaries": gloo}
+
+
+def test_zero1_first_hook_with_and_without_accumulation() -> None:
+    """ZeRO-1 keeps the whole 16-bit gradients until the boundary, and makes its reduction
+    bucket at the first gradient hook (replica, bf16, bucket 5e6, one rank: the model 2 B, the
+    fp32 master and AdamW's moments 12 B a parameter). At the first hook of the first
+    micro-batch: the bucket being made and the head's gradient; of a later micro-batch: the
+    bucket and every gradient kept from the earlier ones, beside the head's."""
+    from autotune.estimator.states import zero_states_at
+    from tests.test_real_size import REPLICA
+
+    psi, head = 91_231_232, 32_768_000
+    cfg = {"zero_stage": 1, "precision": "bf16", "reduce_bucket_size": 5_000_000}
+    phases = model_states(REPLICA, cfg, 1).phases
+    assert phases is not None
+    base = {"parameters": 2 * psi, "optimizer_states": 12 * psi, "temporaries": 2 * 5_000_000}
+    assert zero_states_at(phases, "first gradient hook", 1) == {**base, "gradients": 2 * head}
+    assert zero_states_at(phases, "first gradient hook", 2) == {
+        **base,
+        "gradients": 2 * psi + 2 * head,
+    }
