@@ -290,8 +290,11 @@ def test_deepspeed_without_zero_by_hand() -> None:
     assert (fp16.parts, fp16.phases) == (states.parts, states.phases)
     default = model_states(REPLICA, {"zero_stage": 0, "optimizer": "adamw"}, 1)
     assert (default.parts, default.phases) == (fp32.parts, fp32.phases)
-    assert any("FP16_UnfusedOptimizer" in note for note in states.notes)
-    assert not any("FP16_UnfusedOptimizer" in note for note in fp32.notes)
+    assert states.notes == [
+        "model states: DeepSpeed without ZeRO (its engine's accounting)",
+        "fp32 master weights beside the 16-bit model (FP16_UnfusedOptimizer)",
+    ]
+    assert fp32.notes == ["model states: DeepSpeed without ZeRO (its engine's accounting)"]
     # the engine's states replace what a trace of the model's own step would count
     assert states.replaces_trace and fp32.replaces_trace and not plain.replaces_trace
 
@@ -508,3 +511,30 @@ def test_zero1_first_hook_with_and_without_accumulation() -> None:
         **base,
         "gradients": 2 * psi + 2 * head,
     }
+
+
+def test_the_estimators_build_zero3_under_zero_init(capsys: pytest.CaptureFixture[str]) -> None:
+    """Through the estimators' own entry, ZeRO-3 is built partitioned (``deepspeed.zero.Init``,
+    what transformers does under a ZeRO-3 config): the host holds DeepSpeed's ``zero_init=1``
+    figure, not the whole fp32 model per process."""
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs_all_cold
+
+    from autotune.estimator.gpus import GPUS
+    from autotune.estimator.states import estimator_states
+
+    model = REGISTRY["llama-7b"].config
+    st = stats_of(model)
+    ds = _deepspeed_table(
+        estimate_zero3_model_states_mem_needs_all_cold,
+        st.n_params,
+        st.largest_module_params,
+        8,
+        capsys=capsys,
+    )
+    cfg = {"zero_stage": 3, "precision": "bf16", "optimizer": "adamw"}
+    cfg.update(offload_param="cpu", offload_optimizer="cpu")
+    host = estimator_states(model, cfg, 8, 8, GPUS["a100-80gb"]).host_bytes
+    zero_init = ds["offload_param=cpu,offload_optimizer=cpu,zero_init=1"][0]
+    whole = ds["offload_param=cpu,offload_optimizer=cpu,zero_init=0"][0]
+    assert host == pytest.approx(zero_init, rel=DS_AGREEMENT)
+    assert host != pytest.approx(whole, rel=DS_AGREEMENT)
