@@ -1,0 +1,477 @@
+"""The sampler's rules against oracles from outside it: tiny candidate sets whose right plan is
+obvious by hand, the ridge corrections recomputed here by least squares on the augmented system,
+real Optuna studies for the sampler interface, and the analytical estimator given the GPU spec
+explicitly for the predictor."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import optuna
+from optuna.distributions import CategoricalDistribution, FloatDistribution
+from optuna.samplers import RandomSampler
+from optuna.trial import TrialState
+
+from autotune.estimator.analytical import AnalyticalEstimator
+from autotune.estimator.gpus import GpuSpec, gpu_spec
+from autotune.models import REGISTRY
+from autotune.strategy import AutotuneSampler, Observation, analytical_predictor, observations
+
+Config = dict[str, Any]
+
+# Four configurations of two made-up dimensions: neither is a technique the registry knows, so
+# both are exact (no loss model) and not monotone in memory (an OOM implies only itself).
+A = {"a": "x", "b": "u"}
+B = {"a": "x", "b": "v"}
+T = {"a": "y", "b": "v"}
+Q = {"a": "y", "b": "u"}
+FEATURES = [("a", "x"), ("a", "y"), ("b", "u"), ("b", "v")]
+#: the sampler's ridge: strength alpha on every one-hot column, 1e-3 on the shared bias
+BIAS_PENALTY = 1e-3
+
+
+def sampler_of(
+    rows: list[tuple[Config, float, float]], budget: float, **kw: Any
+) -> AutotuneSampler:
+    """A sampler over ``rows`` (config, predicted peak, predicted tokens/s), in that order."""
+    table = {tuple(sorted(c.items())): (peak, speed) for c, peak, speed in rows}
+    return AutotuneSampler(
+        [c for c, _, _ in rows], lambda c: table[tuple(sorted(c.items()))], budget, **kw
+    )
+
+
+def onehot(c: Config, features: list[tuple[str, str]] = FEATURES) -> np.ndarray:
+    """The configuration's one-hot row with the bias (1) last."""
+    return np.array([1.0 if c.get(k) == v else 0.0 for k, v in features] + [1.0])
+
+
+def ridge(rows: list[Config], y: list[float], alpha: float) -> tuple[np.ndarray, np.ndarray]:
+    """min |X w - y|^2 + alpha |w_onehot|^2 + 1e-3 w_bias^2, solved as the least squares of the
+    augmented system [X; sqrt(penalty)] w = [y; 0]; and (X^T X + penalty)^-1 for the spread."""
+    x = np.array([onehot(c) for c in rows]).reshape(len(rows), len(FEATURES) + 1)
+    penalty = np.array([alpha] * len(FEATURES) + [BIAS_PENALTY])
+    augmented = np.vstack([x, np.diag(np.sqrt(penalty))])
+    target = np.concatenate([np.asarray(y, dtype=float), np.zeros(len(penalty))])
+    w = np.linalg.lstsq(augmented, target, rcond=None)[0]
+    return w, np.linalg.inv(augmented.T @ augmented)
+
+
+# --- the peak and speed corrections ------------------------------------------------------------
+
+
+def _peak_boundary(alpha: float, **kw: Any) -> None:
+    measured = [(A, 100e6, 150e6), (B, 120e6, 144e6)]  # (config, prior peak, measured peak)
+    w, _ = ridge([A, B], [math.log(m / p) for _, p, m in measured], alpha)
+    corrected_t = 150e6 * math.exp(onehot(T) @ w)
+    history = [Observation(c, "ok", m, 1000.0) for c, _, m in measured]
+    for scale, expected in ((1 + 1e-7, T), (1 - 1e-7, Q)):
+        rows = [(A, 100e6, 1000.0), (B, 120e6, 1000.0), (T, 150e6, 5000.0), (Q, 1e6, 10.0)]
+        sampler = sampler_of(rows, corrected_t * scale, **kw)
+        assert sampler.plan(history) == expected, (alpha, scale)
+
+
+def test_the_corrected_peak_is_the_prior_times_the_ridge_fit_of_the_measured_ratios() -> None:
+    """A configuration fits when prior peak x exp(ridge prediction of log(measured/prior)) is
+    within the budget: with the budget a hair above the corrected peak of the fast untried T it
+    is proposed, a hair below it the slow small Q is (the fit recomputed here by least squares,
+    with the default strength 1 and with a user's)."""
+    _peak_boundary(1.0)
+    _peak_boundary(3.0, ridge_alpha=3.0)
+
+
+def _speed_boundary(
+    alpha: float, bonus_scale: float, measured: list[tuple[Config, float, float]], **kw: Any
+) -> None:
+    """``measured``: (config, prior, measured tokens/s) of A and B (priors 1000 and 2000)."""
+    w, a_inv = ridge([c for c, _, _ in measured], [math.log(m / p) for _, p, m in measured], alpha)
+
+    def bonus(c: Config) -> float:
+        x = onehot(c)
+        return float(x @ w + bonus_scale * math.sqrt(x @ a_inv @ x))
+
+    tie = 1000.0 * math.exp(bonus(T) - bonus(Q))  # Q's prior speed at which Q and T tie
+    history = [Observation(c, "ok", 1e6, m) for c, _, m in measured]
+    for scale, expected in ((1 + 1e-7, Q), (1 - 1e-7, T)):
+        rows = [(A, 1e6, 1000.0), (B, 1e6, 2000.0), (T, 1e6, 1000.0), (Q, 1e6, tie * scale)]
+        sampler = sampler_of(rows, 1e9, **kw)
+        assert sampler.plan(history) == expected, (alpha, bonus_scale, scale)
+
+
+def test_the_corrected_speed_is_the_ridge_fit_plus_the_optimism_bonus() -> None:
+    """The untried candidate with the highest log prior speed + ridge prediction of
+    log(measured/prior) + optimism x posterior spread (LinUCB) is proposed: with Q's prior set a
+    hair above or below the speed at which it ties with T, Q or T is (recomputed here)."""
+    measured = [(A, 1000.0, 500.0), (B, 2000.0, 1600.0)]
+    _speed_boundary(1.0, 0.1, measured)
+    _speed_boundary(2.5, 0.5, measured, ridge_alpha=2.5, optimism=0.5)
+    # a strong ridge and A measured twice: spreads well below 1, and T's unlike Q's
+    measured = [(A, 1000.0, 500.0), (A, 1000.0, 450.0), (B, 2000.0, 1600.0)]
+    _speed_boundary(10.0, 0.5, measured, ridge_alpha=10.0, optimism=0.5)
+
+
+def test_an_oom_is_a_lower_bound_raised_until_predicted_over_the_budget() -> None:
+    """An OOM's measured peak is a lower bound, and the peak model is corrected until it
+    predicts the OOM over the budget: a configuration with the same prior peak as the OOM and
+    sharing its choice ``a`` is then over the budget too, though a single fit of the bound (the
+    ridge shrinks it) would leave it a hair under. By hand: with one row (two choices and the
+    bias) the fit predicts the OOM at 1002/1003 of its target log 2 (under the budget) and B at
+    1001/1003 of it; one 10% raise (target log 2.2) puts both over."""
+    budget = 1e8
+    rows = [(A, budget / 2, 1000.0), (B, budget / 2, 9000.0), (Q, budget / 100, 10.0)]
+    sampler = sampler_of(rows, budget)
+    for peak in (budget, 0.0):  # the peak it reached, or none recorded: the budget is the bound
+        assert sampler.plan([Observation(A, "oom", peak, 0.0)]) == Q
+
+
+def test_an_oom_predicted_exactly_at_the_budget_is_raised() -> None:
+    """An OOM predicted exactly at the budget is not yet over it: its bound is raised. With
+    1-byte priors and budget (log 1 = 0 exactly) the OOM's first target is 0 and the first fit
+    predicts it exactly at the budget; after the raise the shared bias puts every untried
+    configuration over the budget, so the smallest predicted peak, T (sharing no choice with
+    the OOM), is proposed rather than the faster B (sharing ``a``)."""
+    rows = [(A, 1.0, 1.0), (B, 1.0, 9.0), (T, 1.0, 2.0)]
+    assert sampler_of(rows, 1.0).plan([Observation(A, "oom", 1.0, 0.0)]) == T
+
+
+def test_the_oom_correction_gives_up_after_twenty_fits() -> None:
+    """An OOM the other measurements contradict (the same configuration measured fitting 100
+    times) is raised at most 19 times by 10% (20 fits) and the last fit is kept: the corrected
+    peak of another configuration is the prior times the ridge fit with that target."""
+    p = 1e6
+    oom_target = math.log(10.0) + 19 * math.log(1.1)  # measured 10x its prior when it ran out
+    fits = [A] * 101
+    w, _ = ridge(fits, [0.0] * 100 + [oom_target], 1.0)
+    corrected_t = 1.5 * p * math.exp(onehot(T) @ w)
+    history = [Observation(A, "ok", p, 1000.0) for _ in range(100)]
+    history.append(Observation(A, "oom", 10 * p, 0.0))
+    for scale, expected in ((1 + 1e-7, T), (1 - 1e-7, Q)):
+        budget = corrected_t * scale
+        for raises in range(20):  # every fit still predicted the OOM within the budget
+            wk, _ = ridge(fits, [0.0] * 100 + [math.log(10.0) + raises * math.log(1.1)], 1.0)
+            assert math.log(p) + onehot(A) @ wk <= math.log(budget)
+        rows = [(A, p, 1000.0), (T, 1.5 * p, 5000.0), (Q, p / 100, 10.0)]
+        assert sampler_of(rows, budget).plan(history) == expected, scale
+
+
+def test_unmeasured_peak_or_speed_moves_no_model() -> None:
+    """An observation whose peak is 0 (not measured) does not move the peak model, and tokens/s
+    of 0 does not move the speed model (the logs of 0 are not taken): the priors still rank."""
+    rows = [(A, 1e6, 1000.0), (B, 1e6, 1000.0), (T, 1e6, 5000.0), (Q, 1e6, 10.0)]
+    sampler = sampler_of(rows, 1e8)
+    history = [Observation(A, "ok", 0.0, 1000.0), Observation(B, "ok", 1e6, 0.0)]
+    assert sampler.plan(history) == T
+
+
+def test_a_tiny_positive_measurement_is_a_measurement() -> None:
+    """Any positive peak or speed, however small (1 byte, 1 token/s), enters its model: a
+    configuration measured at 1 byte against a 1 MB prior makes one predicted at twice the
+    budget fit; one measured at 1 token/s against 10^9 makes the configuration sharing its
+    choice ``a`` rank behind one 1% slower in prior that shares nothing."""
+    peaks = [(A, 1e6, 1000.0), (T, 2e8, 5000.0), (Q, 1e3, 10.0)]
+    assert sampler_of(peaks, 1e8).plan([Observation(A, "ok", 1.0, 1000.0)]) == T
+    speeds = [(A, 1e6, 1e9), (B, 1e6, 1.01e9), (T, 1e6, 1e9)]
+    assert sampler_of(speeds, 1e8).plan([Observation(A, "ok", 1e6, 1.0)]) == T
+    # without the measurement the 1% faster prior wins (the bonus is alike for all)
+    assert sampler_of(speeds, 1e8).plan([Observation(A, "predicted_oom", 0.0, 0.0)]) == B
+
+
+def test_priors_are_compared_as_given_down_to_one_byte_and_below_one_token() -> None:
+    """The prior peak is floored at 1 byte and the prior speed at 1e-12 tokens/s only: a 1.5-byte
+    peak does not fit a 1.2-byte budget (the 1-byte one is proposed), and 0.5 tokens/s ranks
+    above 0.25 tokens/s."""
+    peaks = [(A, 1.5, 10.0), (B, 1.0, 1.0)]
+    assert sampler_of(peaks, 1.2).plan([]) == B
+    speeds = [(A, 1e6, 0.25), (B, 1e6, 0.5)]
+    assert sampler_of(speeds, 1e8).plan([]) == B
+
+
+def test_a_candidate_predicted_exactly_at_the_budget_fits() -> None:
+    """Fitting is peak <= budget: with nothing measured (no correction) two candidates whose
+    prior is exactly the budget both fit and the faster is proposed (1 byte: log 1 = 0 exactly,
+    so the tie is exact)."""
+    rows = [(A, 1.0, 1.0), (B, 1.0, 2.0)]
+    assert sampler_of(rows, 1.0).plan([]) == B
+
+
+def test_when_nothing_fits_the_smallest_untried_peak_is_proposed() -> None:
+    """When nothing is predicted to fit, the smallest predicted peak among the untried is
+    proposed (to learn where the boundary is), not a tried one and not the fastest."""
+    rows = [(A, 2e8, 1000.0), (B, 3e8, 1000.0), (T, 4e8, 9000.0), (Q, 5e8, 1000.0)]
+    sampler = sampler_of(rows, 1e8)
+    assert sampler.plan([Observation(A, "predicted_oom", 0.0, 0.0)]) == B
+    assert sampler.plan([Observation(c, "predicted_oom", 0.0, 0.0) for c in (A, B)]) == T
+
+
+def test_a_record_of_a_configuration_outside_the_space_is_skipped_not_the_end() -> None:
+    """History entries whose configuration is not a candidate are skipped one by one: a
+    candidate recorded after one still counts as tried (and the crash model ignores the foreign
+    record)."""
+    rows = [(A, 1e6, 1000.0), (B, 1e6, 2000.0), (T, 1e6, 5000.0), (Q, 1e6, 10.0)]
+    sampler = sampler_of(rows, 1e8)
+    foreign = Observation({"a": "z", "b": "w"}, "ok", 1e6, 1000.0)
+    history = [
+        foreign,
+        Observation(T, "predicted_oom", 0.0, 0.0),
+        Observation(Q, "failed", 0.0, 0.0),
+    ]
+    assert sampler.plan(history) == B
+
+
+# --- the loss and crash models -------------------------------------------------------------------
+
+PRECISIONS = ("fp32", "bf16")
+OPTIMIZERS = ("adamw", "adafactor")
+
+
+def _lossy(precision: str, optimizer: str, a: str) -> Config:
+    return {"precision": precision, "optimizer": optimizer, "a": a}
+
+
+def test_a_regressing_choice_is_tried_after_all_others() -> None:
+    """The loss penalty with the default 2% tolerance: Adafactor measured 10% worse (ridge 0.05:
+    predicted 0.1/1.05) puts every Adafactor configuration behind the exact ones, even the
+    fastest untried."""
+    speeds = {("fp32", "adamw"): 1000.0, ("fp32", "adafactor"): 3000.0}
+    rows = [
+        (_lossy(p, o, a), 1e6, speeds[p, o]) for p in ("fp32",) for o in OPTIMIZERS for a in "xy"
+    ]
+    sampler = sampler_of(rows, 1e8)
+    history = [Observation(_lossy("fp32", "adafactor", "x"), "ok", 1e6, 3000.0, 0.1)]
+    plan = sampler.plan(history)
+    assert plan is not None and plan["optimizer"] == "adamw"
+    # a regression within the tolerance (0.015/1.05) does not
+    history = [Observation(_lossy("fp32", "adafactor", "x"), "ok", 1e6, 3000.0, 0.015)]
+    assert sampler.plan(history) == _lossy("fp32", "adafactor", "y")
+
+
+def test_precision_is_blamed_reluctantly() -> None:
+    """Mixed precision gets the strong loss ridge (1.0) and other lossy choices the weak one
+    (0.05): one bf16 trial 3% worse predicts bf16 at 0.03/2 (within 2%: bf16 stays first), one
+    Adafactor trial 3% worse predicts Adafactor at 0.03/1.05 (over: it goes last)."""
+    rows = [
+        (_lossy(p, "adamw", a), 1e6, 3000.0 if p == "bf16" else 1000.0)
+        for p in PRECISIONS
+        for a in "xy"
+    ]
+    history = [Observation(_lossy("bf16", "adamw", "x"), "ok", 1e6, 3000.0, 0.03)]
+    assert sampler_of(rows, 1e8).plan(history) == _lossy("bf16", "adamw", "y")
+    rows = [
+        (_lossy("fp32", o, a), 1e6, 3000.0 if o == "adafactor" else 1000.0)
+        for o in OPTIMIZERS
+        for a in "xy"
+    ]
+    history = [Observation(_lossy("fp32", "adafactor", "x"), "ok", 1e6, 3000.0, 0.03)]
+    plan = sampler_of(rows, 1e8).plan(history)
+    assert plan is not None and plan["optimizer"] == "adamw"
+
+
+def test_only_a_regression_beyond_the_tolerance_is_penalised() -> None:
+    """With a tolerance of 0, a choice predicted not to regress at all (exact fp32: its
+    prediction is exactly 0) is not penalised; bf16 measured better than the reference does not
+    jump the queue: the fastest, fp32 on y, is proposed."""
+    rows = [
+        (_lossy(p, "adamw", a), 1e6, 3000.0 if p == "fp32" else 1000.0)
+        for p in PRECISIONS
+        for a in "xy"
+    ]
+    sampler = sampler_of(rows, 1e8, loss_tolerance=0.0)
+    history = [Observation(_lossy("bf16", "adamw", "x"), "ok", 1e6, 1000.0, -0.01)]
+    assert sampler.plan(history) == _lossy("fp32", "adamw", "y")
+
+
+def test_the_crash_model_counts_oom_trials_as_ran() -> None:
+    """The crash model (ridge 0.5, no bias, threshold 0.5) counts an OOM trial as ran (0): after
+    a crash of (x0, y0, z0), (x0, y0, z1) shares two of its three choices and alone would be
+    predicted to crash (2/3.5 = 0.57); an OOM of (x0, y1, z1) ran, which brings it to
+    0.44 (recomputed below), so it is proposed (the fastest)."""
+    feats = [(d, v) for d in "xyz" for v in ("0", "1")]
+
+    def cfg(x: str, y: str, z: str) -> Config:
+        return {"x": x, "y": y, "z": z}
+
+    def row(c: Config) -> np.ndarray:
+        return np.array([1.0 if c[d] == v else 0.0 for d, v in feats])
+
+    crashed, oom, target = cfg("0", "0", "0"), cfg("0", "1", "1"), cfg("0", "0", "1")
+    x = np.array([row(crashed), row(oom)])
+    w = np.linalg.solve(x.T @ x + 0.5 * np.eye(len(feats)), x.T @ np.array([1.0, 0.0]))
+    assert row(target) @ w < 0.5 < row(target) @ row(crashed) / (3 + 0.5)
+    grid = [cfg(a, b, c) for a in "01" for b in "01" for c in "01"]
+    budget = 1e8
+    rows = [
+        (c, 0.9 * budget if c == oom else 0.3 * budget, 5000.0 if c == target else 1000.0)
+        for c in grid
+    ]
+    history = [Observation(crashed, "failed", 0.0, 0.0), Observation(oom, "oom", budget, 0.0)]
+    assert sampler_of(rows, budget).plan(history) == target
+
+
+# --- the Optuna sampler interface ----------------------------------------------------------------
+
+ROWS = [(A, 1e6, 1000.0), (B, 1e6, 2000.0), (T, 1e6, 5000.0), (Q, 1e6, 10.0)]
+
+
+def _study(sampler: AutotuneSampler) -> optuna.Study:
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return optuna.create_study(sampler=sampler)
+
+
+def test_a_choice_the_plan_cannot_answer_comes_from_the_seeded_random_sampler() -> None:
+    """A choice not in the distribution, a distribution without choices and a name the plan
+    lacks fall back to the seeded RandomSampler: the same values, in order, as
+    ``RandomSampler(seed)`` itself draws."""
+    study = _study(sampler_of(ROWS, 1e8, seed=11))
+    trial = study.ask()
+    assert (
+        trial.suggest_categorical("a", ["x", "y"]),
+        trial.suggest_categorical("b", ["u", "v"]),
+    ) == ("y", "v")
+    asks = [
+        ("a|other", CategoricalDistribution(["p", "q", "r", "s"])),  # the plan's "y" not a choice
+        ("b|size", FloatDistribution(0.0, 1.0)),  # the plan has b, the distribution no choices
+        ("lr", FloatDistribution(1e-5, 1e-1, log=True)),  # not in the plan
+    ]
+    got = [
+        trial.suggest_categorical("a|other", ["p", "q", "r", "s"]),
+        trial.suggest_float("b|size", 0.0, 1.0),
+        trial.suggest_float("lr", 1e-5, 1e-1, log=True),
+    ]
+    reference = RandomSampler(seed=11)
+    frozen = study.trials[-1]
+    assert got == [reference.sample_independent(study, frozen, n, d) for n, d in asks]
+
+
+def test_a_param_name_with_a_suffix_answers_from_the_plans_dimension() -> None:
+    """A param name 'dim|suffix' (even 'dim|x|y') answers from the plan's dim."""
+    study = _study(sampler_of(ROWS, 1e8, seed=3))
+    trial = study.ask()
+    choices = [f"w{i}" for i in range(10)] + ["u", "v"]
+    assert trial.suggest_categorical("b|x|y", choices) == "v"
+    assert trial.suggest_categorical("a|z", ["q", "x", "y"]) == "y"
+
+
+def test_an_enqueued_trial_is_answered_by_the_random_sampler() -> None:
+    """An enqueued trial is not planned: what it does not fix comes from the seeded
+    RandomSampler (the same value as ``RandomSampler(seed)`` draws)."""
+    study = _study(sampler_of(ROWS, 1e8, seed=5))
+    study.enqueue_trial({"a": "x"})
+    trial = study.ask()
+    choices = [f"w{i}" for i in range(10)] + ["u", "v"]
+    dist = CategoricalDistribution(choices)
+    got = trial.suggest_categorical("b", choices)
+    assert got == RandomSampler(seed=5).sample_independent(study, study.trials[-1], "b", dist)
+    assert trial.suggest_categorical("a", ["x", "y"]) == "x"
+
+
+def test_a_finished_trials_plan_is_forgotten() -> None:
+    """After a trial finishes its plan is dropped: a sampler reused for a second study answers
+    that study's enqueued trial number 0 from the random fallback, not from the first study's
+    trial 0's plan."""
+    sampler = sampler_of(ROWS, 1e8, seed=9)
+    first = _study(sampler)
+    trial = first.ask()
+    assert trial.suggest_categorical("b", ["u", "v"]) == "v"
+    first.tell(trial, 1.0)
+    second = _study(sampler)
+    second.enqueue_trial({"a": "x"})
+    again = second.ask()
+    assert again.number == 0
+    choices = ["v"] + [f"w{i}" for i in range(10)]
+    dist = CategoricalDistribution(choices)
+    expected = RandomSampler(seed=9).sample_independent(second, second.trials[-1], "b", dist)
+    assert expected != "v"
+    assert again.suggest_categorical("b", choices) == expected
+
+
+def test_a_trial_that_failed_in_optuna_is_planned_again() -> None:
+    """Only trials other workers are RUNNING count as tried: a trial Optuna marked FAIL (its
+    worker died before measuring anything) does not, so its configuration is planned again."""
+    study = _study(sampler_of(ROWS, 1e8))
+    trial = study.ask()
+    planned = {
+        d: trial.suggest_categorical(d, c) for d, c in (("a", ["x", "y"]), ("b", ["u", "v"]))
+    }
+    assert planned == T
+    study.tell(trial, state=TrialState.FAIL)
+    retry = study.ask()
+    assert {
+        d: retry.suggest_categorical(d, c) for d, c in (("a", ["x", "y"]), ("b", ["u", "v"]))
+    } == T
+    # while it runs, the next worker gets the next one
+    other = study.ask()
+    assert {
+        d: other.suggest_categorical(d, c) for d, c in (("a", ["x", "y"]), ("b", ["u", "v"]))
+    } == B
+
+
+def test_a_record_without_a_configuration_does_not_end_the_observations() -> None:
+    """A completed trial without a stored configuration is skipped; the records after it are
+    still read."""
+    study = _study(sampler_of(ROWS, 1e8))
+    for attrs in (
+        {"status": "ok"},
+        {"config": T, "status": "ok", "peak_bytes": 5, "tokens_per_s": 2},
+    ):
+        study.add_trial(
+            optuna.trial.create_trial(state=TrialState.COMPLETE, value=1.0, user_attrs=attrs)
+        )
+    got = observations(study)
+    assert [(o.config, o.status, o.peak_bytes, o.tokens_per_s) for o in got] == [
+        (T, "ok", 5.0, 2.0)
+    ]
+
+
+# --- the analytical predictor --------------------------------------------------------------------
+
+TINY = REGISTRY["tiny-llama"].config
+CONFIGS = [
+    {"precision": "bf16", "micro_batch_size": 1, "zero_stage": 1},
+    {"precision": "fp16", "micro_batch_size": 2, "zero_stage": 1},
+    {"precision": "fp32", "micro_batch_size": 1, "zero_stage": 2, "offload_optimizer": "cpu"},
+]
+
+
+def _estimated(config: Config, gpu: GpuSpec, nproc: int) -> tuple[float, float]:
+    est = AnalyticalEstimator().estimate(
+        TINY, config, seq_len=64, global_batch_size=4, nproc=nproc, gpu=gpu
+    )
+    return float(est.peak_bytes), float(est.tokens_per_s)
+
+
+def test_the_predictor_is_the_estimator_for_the_named_gpu() -> None:
+    """gpu_key names the GPU the estimator prices, and the ranks are passed on; without nodes
+    the ranks share one node (no spanning)."""
+    for nproc in (1, 2):
+        predict = analytical_predictor(
+            TINY, seq_len=64, global_batch_size=4, nproc=nproc, gpu_key="h100"
+        )
+        for config in CONFIGS:
+            assert predict(config) == _estimated(config, gpu_spec("h100"), nproc)
+            assert predict(config)[1] > 0
+
+
+def test_nodes_price_the_gpu_spanning_them() -> None:
+    """nodes>1 prices the GPU spanning the nodes, nproc // nodes on each (compare with the
+    estimator given ``gpu_spec(key).spanning(nodes, nproc // nodes)``)."""
+    for nproc, nodes in ((4, 2), (6, 4)):
+        predict = analytical_predictor(
+            TINY, seq_len=64, global_batch_size=4, nproc=nproc, gpu_key="a100-80gb", nodes=nodes
+        )
+        spec = gpu_spec("a100-80gb").spanning(nodes, nproc // nodes)
+        for config in CONFIGS:
+            assert predict(config) == _estimated(config, spec, nproc)
+        assert predict(CONFIGS[0]) != _estimated(CONFIGS[0], gpu_spec("a100-80gb"), nproc)
+
+
+def test_the_cpu_prior_gives_every_precision_one_nominal_rate() -> None:
+    """The CPU prior (gpu_key None) is a nominal device: 1 TFLOPS in every precision, 50 GB/s of
+    memory and host link, no NVLink (the estimator given that spec explicitly)."""
+    cpu = GpuSpec("nominal", "a CPU", 0, 1.0, 1.0, 1.0, 50.0, 50.0, 0.0, (0, 0))
+    for nproc in (1, 2):
+        predict = analytical_predictor(
+            TINY, seq_len=64, global_batch_size=4, nproc=nproc, gpu_key=None
+        )
+        for config in CONFIGS:
+            assert predict(config) == _estimated(config, cpu, nproc)
