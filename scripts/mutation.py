@@ -5,6 +5,8 @@
     .venv/bin/python scripts/mutation.py --from A.txt B.txt  # the report from saved listings
                                                     # (``mutmut results --all true``); a later
                                                     # file's modules replace an earlier one's
+        [--recheck R.txt]                           # survivors re-run against later tests
+                                                    # (scripts/mutation_recheck.py)
 
 The modules and the tests that guard them are listed in pyproject.toml (``[tool.mutmut]``).
 mutmut (PyPI) copies the project into ``mutants/``, changes one operator, constant or call at a
@@ -128,6 +130,14 @@ def main() -> int:
     parser.add_argument("--max-children", default="2")
     parser.add_argument("--from", dest="listings", nargs="+", type=Path, default=[])
     parser.add_argument("--note", type=Path, help="a file whose text goes above the table")
+    parser.add_argument(
+        "--recheck",
+        nargs="+",
+        type=Path,
+        default=[],
+        help="listings of survivors re-run against later tests (scripts/mutation_recheck.py): "
+        "each mutant's status there replaces the run's",
+    )
     args = parser.parse_args()
     if args.listings:
         statuses: dict[str, str] = {}
@@ -147,6 +157,10 @@ def main() -> int:
                 env=env,
             )
         statuses = results()
+    for listing in args.recheck:
+        for mutant, status in parse_listing(listing.read_text()).items():
+            if statuses.get(mutant) == "survived":  # a recheck only ever re-runs survivors
+                statuses[mutant] = status
     REPORT.parent.mkdir(exist_ok=True)
     REPORT.write_text(report(statuses, args.note.read_text() if args.note else ""))
     print(REPORT.read_text())

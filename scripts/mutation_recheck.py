@@ -1,0 +1,51 @@
+"""Re-run the survivors of a finished mutmut run against tests written after it.
+
+    .venv/bin/python scripts/mutation_recheck.py --mutants mutants --survivors names.txt \
+        --tests tests/test_a.py tests/test_b.py > docs/mutation/recheck.txt
+
+A full ``mutmut run`` takes hours here; the tests written to kill its survivors only need to
+meet those survivors. Each named mutant is switched on the way mutmut itself does (its
+trampoline reads ``MUTANT_UNDER_TEST`` at every call) and the given test files run in this one
+process (``pytest.main``), from the mutmut work tree (``mutants/``, where the mutated sources
+are), into which the test files are copied first. Prints ``<mutant>: killed|survived`` lines,
+the format of ``mutmut results --all true`` that ``scripts/mutation.py --recheck`` overlays on
+the run's listing. Run with ``OMP_NUM_THREADS=1``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import shutil
+import sys
+from pathlib import Path
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mutants", type=Path, required=True, help="mutmut's work tree")
+    parser.add_argument("--survivors", type=Path, required=True, help="one mutant name a line")
+    parser.add_argument("--tests", type=Path, nargs="+", required=True)
+    args = parser.parse_args()
+    import pytest  # after argparse: --help needs no torch
+
+    names = [line.strip() for line in args.survivors.read_text().splitlines() if line.strip()]
+    for test in args.tests:
+        shutil.copy(test, args.mutants / "tests" / test.name)
+    os.chdir(args.mutants)
+    sys.path.insert(0, str(Path.cwd()))
+    tests = [f"tests/{t.name}" for t in args.tests]
+    for name in names:
+        os.environ["MUTANT_UNDER_TEST"] = name
+        with contextlib.redirect_stdout(io.StringIO()):
+            code = pytest.main(["-q", "-x", "-p", "no:cacheprovider", "-W", "ignore", *tests])
+        if code == pytest.ExitCode.NO_TESTS_COLLECTED:
+            raise SystemExit(f"no tests collected from {tests}")
+        print(f"    {name}: {'survived' if code == 0 else 'killed'}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
