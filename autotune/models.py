@@ -344,6 +344,8 @@ class ModelStats:
     softmax_fp32: bool = True
     #: linear weights stored (in, out): GPT-2's ``Conv1D`` (``shapes`` as stored)
     weights_in_out: bool = False
+    #: (out, in) of every linear layer but the head: what QLoRA quantizes and adapts
+    linear_shapes: tuple[tuple[int, int], ...] = ()
 
     @property
     def active_params(self) -> int:
@@ -359,6 +361,8 @@ def model_stats(cfg_json: str, source: str = "model config") -> ModelStats:
     """Build the model on the meta device (free) and read its parameter shapes."""
     import torch
     from transformers import AutoModelForCausalLM
+
+    from trials.techniques.quantization import linear_shapes
 
     cfg = json.loads(cfg_json)
     config = _transformers_config(cfg, source)
@@ -431,6 +435,7 @@ def model_stats(cfg_json: str, source: str = "model config") -> ModelStats:
         embd_dropout=_rate(config, "embd_pdrop"),
         attn_dropout=_rate(config, "attn_pdrop", "attention_dropout"),
         **_layout(model, config, layer, h, (heads + 2 * kv_heads) * head_dim, int(inter)),
+        linear_shapes=tuple(linear_shapes(model)),
     )
 
 

@@ -29,8 +29,6 @@ LORA_ALPHA = 16
 #: paper's figure); the analytical estimator's terms
 WEIGHT_BYTES = {"int8": 1.0, "nf4": (4 + 32 / 64) / 8}
 ROW_SCALE_BYTES = {"int8": 4, "nf4": 0}
-#: expert weights, whose row count the estimator does not have: int8's scale at 4096-wide rows
-EXPERT_WEIGHT_BYTES = {"int8": 1.0 + 4 / 4096, "nf4": WEIGHT_BYTES["nf4"]}
 
 
 def add_lora(model: nn.Module, rank: int = LORA_RANK, alpha: int = LORA_ALPHA) -> nn.Module:
@@ -86,14 +84,28 @@ def replace_linears(
 ) -> int:
     """Swap every linear layer (except ``skip``) for ``make(linear)``; return how many. GPT-2's
     ``Conv1D`` (transformers' linear layer with the weight stored transposed) is one too."""
-    swapped = 0
+    found = _linears(model, skip)
+    for module, name, linear in found:
+        setattr(module, name, make(linear))
+    return len(found)
+
+
+def linear_shapes(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> list[tuple[int, int]]:
+    """(out, in) of every layer ``replace_linears`` swaps: what QLoRA quantizes and adapts. Not
+    an MoE's experts, which transformers 5 keeps in 3-D tensors, nor its router: bitsandbytes'
+    conversion replaces ``nn.Linear`` modules only and leaves them in full precision
+    (bitsandbytes issue #1849), as the job does."""
+    return [(linear.out_features, linear.in_features) for _, _, linear in _linears(model, skip)]
+
+
+def _linears(model: nn.Module, skip: tuple[str, ...]) -> list[tuple[nn.Module, str, nn.Linear]]:
+    found = []
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             linear = None if name in skip else as_linear(child)
             if linear is not None:
-                setattr(module, name, make(linear))
-                swapped += 1
-    return swapped
+                found.append((module, name, linear))
+    return found
 
 
 def as_linear(module: nn.Module) -> nn.Linear | None:
