@@ -135,8 +135,8 @@ def main() -> int:
         nargs="+",
         type=Path,
         default=[],
-        help="listings of survivors re-run against later tests (scripts/mutation_recheck.py): "
-        "each mutant's status there replaces the run's",
+        help="listings of survivors (or mutants not reached) re-run against later tests "
+        "(scripts/mutation_recheck.py): each mutant's status there replaces the run's",
     )
     args = parser.parse_args()
     if args.listings:
@@ -159,7 +159,9 @@ def main() -> int:
         statuses = results()
     for listing in args.recheck:
         for mutant, status in parse_listing(listing.read_text()).items():
-            if statuses.get(mutant) == "survived":  # a recheck only ever re-runs survivors
+            # a recheck re-runs survivors and mutants the run did not reach or test; a kill is a
+            # kill, a survivor there is one (for a mutant not reached, of the tests named only)
+            if statuses.get(mutant) in ("survived", "no tests", "not checked"):
                 statuses[mutant] = status
     REPORT.parent.mkdir(exist_ok=True)
     REPORT.write_text(report(statuses, args.note.read_text() if args.note else ""))
