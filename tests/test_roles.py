@@ -60,3 +60,15 @@ def test_host_storages_are_not_device_bytes() -> None:
     ledger.died(2, 1)
     ledger.born(2, 1, 20)  # the key reused on the device counts again
     assert ledger.roles_at(1) == _zero(other=120)
+
+
+def test_a_death_the_ledger_never_saw_born_is_ignored() -> None:
+    """A storage made before tracking began (or already dead) may be freed while it runs: its
+    death changes nothing, and the ledger goes on."""
+    ledger = StorageLedger()
+    ledger.born(1, 0, 10)
+    ledger.died(99, 1)  # never born here
+    ledger.died(1, 2)
+    ledger.died(1, 3)  # twice
+    assert ledger.roles_at(1) == _zero(other=10)
+    assert ledger.roles_at(2) == _zero()
