@@ -30,6 +30,7 @@ from autotune.estimator.states import (
     zero_states_at,
 )
 from tests.conftest import TINY
+from tests.test_estimator_state_oracles import _counted
 
 PSI = 7_358_720
 HEAD = 2_097_152
@@ -230,29 +231,6 @@ MOE = {
 }
 
 
-def _counted_experts(model_cfg: dict[str, Any]) -> tuple[int, int, int]:
-    """(all parameters, the linear weights the job quantizes, the LoRA parameters peft adds),
-    counted on the model transformers builds (meta device)."""
-    from torch import nn
-
-    from trials.techniques.quantization import add_lora, replace_linears
-
-    config = transformers.AutoConfig.for_model(**model_cfg)
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
-    total = sum(p.numel() for p in model.parameters())
-    swapped: list[nn.Linear] = []
-
-    def record(linear: nn.Linear) -> nn.Linear:
-        swapped.append(linear)
-        return linear
-
-    replace_linears(model, record)
-    adapted = add_lora(model, rank=8)
-    lora = sum(p.numel() for p in adapted.parameters() if p.requires_grad)
-    return total, sum(linear.weight.numel() for linear in swapped), lora
-
-
 def test_qlora_on_a_mixture_of_experts_quantizes_its_linear_layers_only() -> None:
     """QLoRA on a mixture of experts (a small Mixtral) as the trial job builds it: the linear
     layers in NF4 (4.5 bits: 4 bits and an fp32 absmax per 64, the QLoRA paper's figure);
@@ -260,7 +238,7 @@ def test_qlora_on_a_mixture_of_experts_quantizes_its_linear_layers_only() -> Non
     (bitsandbytes' conversion replaces nn.Linear only: its issue #1849). Found by a surviving
     mutant: the estimator had counted the experts and the router quantized. The frozen weights
     are the parameters less the fp32 LoRA adapters (4 B each, as their gradients)."""
-    total, dense, _ = _counted_experts(MOE)
+    total, dense, _, _ = _counted(MOE, 8)
     states = model_states(MOE, {"quantization": "nf4", "lora_r": 8}, 1)
     frozen = states.parts["parameters"] - states.parts["gradients"]
     assert frozen == pytest.approx(dense * 4.5 / 8 + 4 * (total - dense), abs=2)
@@ -295,7 +273,7 @@ def test_qlora_on_a_mixture_of_experts_traced_and_analytical_agree(tmp_path: Pat
 )
 def test_qlora_on_a_mixture_of_experts_adapts_what_peft_adapts() -> None:
     """The LoRA parameters (4 B of gradients each) are those peft adds to the model."""
-    _, _, lora = _counted_experts(MOE)
+    _, _, _, lora = _counted(MOE, 8)
     states = model_states(MOE, {"quantization": "nf4", "lora_r": 8}, 1)
     assert states.parts["gradients"] == 4 * lora
 

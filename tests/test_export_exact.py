@@ -22,6 +22,7 @@ from autotune.errors import UserError
 from autotune.export import UserSettings, export, measured_on
 from autotune.study import StudySettings
 from tests.conftest import TINY_SETTINGS
+from tests.test_export_tools import PLAIN
 from trials.techniques import REGISTRY
 from trials.techniques.base import Config, Run, Technique
 
@@ -30,14 +31,6 @@ CUDA2 = replace(TINY_SETTINGS, backend="cuda", nproc=2)
 CPU2 = replace(TINY_SETTINGS, nproc=2)
 ESTIMATE = replace(TINY_SETTINGS, backend="estimate", target_gpu="H100-80GB")
 
-PLAIN: dict[str, Any] = {
-    "gradient_checkpointing": "selective",
-    "checkpoint_every": 2,
-    "precision": "bf16",
-    "attention": "sdpa",
-    "optimizer": "adamw",
-    "micro_batch_size": 2,
-}
 ZERO: dict[str, Any] = {
     "precision": "fp16",
     "attention": "eager",
