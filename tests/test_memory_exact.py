@@ -148,6 +148,23 @@ def test_storage_resize_shrinks_and_grows_the_count() -> None:
     assert mon.peak_bytes == F2000
 
 
+def test_a_tensor_resized_in_place_is_counted_at_its_new_size() -> None:
+    """``Tensor.resize_`` (an aten op, not the storage's own resize) grows a tensor's storage
+    in place: 10 fp32 elements (40 B) grown to 1,000 are 4,000 B live, shrunk back they stay
+    4,000 (torch keeps the larger storage); freed, nothing. Found by a surviving mutant: the
+    count stayed at 40 B and a later host mark could drive it below zero."""
+    with CpuMemoryMonitor(None) as mon:
+        t = torch.empty(10)
+        assert mon.live_bytes == 40
+        t.resize_(1000)
+        assert mon.live_bytes == 4_000 == t.untyped_storage().nbytes()
+        t.resize_(10)
+        assert mon.live_bytes == 4_000 == t.untyped_storage().nbytes()
+        del t
+        assert mon.live_bytes == 0
+        assert mon.peak_bytes == 4_000
+
+
 def test_resizes_while_paused_or_of_host_storages_are_not_counted() -> None:
     with CpuMemoryMonitor(None) as mon:
         t = torch.empty(1000)

@@ -246,6 +246,9 @@ class CpuMemoryMonitor(MemoryMonitor):
             return  # sparse or other storage-less tensors
         key = id(storage)
         if key in self._seen:
+            # ``Tensor.resize_`` grows or shrinks a known storage in place (an op the mode sees,
+            # unlike ``UntypedStorage.resize_``, patched in ``__enter__``)
+            self._resized(storage, storage.nbytes())
             return
         nbytes = storage.nbytes()
         self._seen.add(key)
