@@ -571,6 +571,8 @@ class CudaMemoryMonitor(MemoryMonitor):
         self.sample()
         self._construction_reserved = int(torch.cuda.max_memory_reserved(self.device))
         self._construction_card = self._card_peak
+        # training's peaks start here, the card's as the allocator's
+        self._card_peak = 0
         torch.cuda.reset_peak_memory_stats(self.device)
 
     @property
