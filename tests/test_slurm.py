@@ -117,9 +117,15 @@ def test_trials_run_as_slurm_jobs_several_in_flight(tmp_path: Path) -> None:
         watcher.join()
     trials = _trials(storage)
     assert len(trials) == 3 and all(t.state == TrialState.COMPLETE for t in trials)
-    ids = [str(t.user_attrs[SLURM_JOB_ATTR]) for t in trials]
-    assert len(set(ids)) == 3
-    for t, job_id in zip(trials, ids, strict=True):
+    # a proposal identical to a trial already run (or running: the enqueued reference reserves
+    # nothing) reuses its result instead of submitting a job; seen when the machine is loaded
+    ran = [t for t in trials if "duplicate_of" not in t.user_attrs]
+    for t in trials:
+        if "duplicate_of" in t.user_attrs:
+            assert t.user_attrs["duplicate_of"] in [r.number for r in ran]
+    ids = [str(t.user_attrs[SLURM_JOB_ATTR]) for t in ran]
+    assert len(ran) >= 2 and len(set(ids)) == len(ran)
+    for t, job_id in zip(ran, ids, strict=True):
         assert _slurm_state(job_id) == "COMPLETED"  # Slurm's own account of the job
         assert t.user_attrs["status"] in ("ok", "oom") and t.user_attrs["peak_bytes"] > 0
         # the study's folder is <name>-<id> (autotune.study.workdir_for)
