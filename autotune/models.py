@@ -13,7 +13,7 @@ import difflib
 import json
 import logging
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -346,6 +346,11 @@ class ModelStats:
     weights_in_out: bool = False
     #: (out, in) of every linear layer but the head: what QLoRA quantizes and adapts
     linear_shapes: tuple[tuple[int, int], ...] = ()
+
+    @cached_property
+    def linear_params(self) -> int:
+        """Weights of the linear layers QLoRA quantizes (``linear_shapes``)."""
+        return sum(out_f * in_f for out_f, in_f in self.linear_shapes)
 
     @property
     def active_params(self) -> int:

@@ -172,7 +172,7 @@ def step_time(
     dequant = 0.0
     if frozen:
         qbytes = QUANT_BYTES.get(quant, 1.0)
-        quantized = sum(out_f * in_f for out_f, in_f in st.linear_shapes)  # not the experts
+        quantized = st.linear_params  # not the experts
         dequant = 2 * (qbytes + 2) * quantized / hbm  # forward and backward, read + write
     bwd = bwd_mm + attn_bwd + 2 * elementwise / 3 + dequant / 2
     ckpt = str(config.get("gradient_checkpointing", "off"))
