@@ -82,6 +82,7 @@ from autotune.study import (
 )
 from autotune.terminal import make_console, printable, shell_line
 from autotune.units import budget_label, format_size, parse_size
+from trials.data import Documents
 from trials.spec import TrialResult
 from trials.techniques import FIDELITY_CLASSES, classes_up_to
 from trials.techniques.zero import runs_deepspeed
@@ -451,6 +452,13 @@ def next_commands(
 @timeout_option
 @click.option("--seq-len", type=click.IntRange(min=8), default=None)
 @click.option("--global-batch-size", type=click.IntRange(min=1, max=2**20), default=None)
+@click.option(
+    "--documents",
+    default=None,
+    metavar="MIN:MAX",
+    help="Train on variable-length documents of MIN to MAX tokens (as fine-tuning data), "
+    "padded or packed (the packing dimension); default: every sequence --seq-len tokens.",
+)
 @click.option("--seed", type=click.IntRange(min=0, max=MAX_SEED), default=0, show_default=True)
 @click.option(
     "--strategy",
@@ -512,6 +520,7 @@ def run(
     timeout: float | None,
     seq_len: int | None,
     global_batch_size: int | None,
+    documents: str | None,
     seed: int,
     strategy: str,
     ladder: bool,
@@ -536,6 +545,7 @@ def run(
     host_limit = parse_size(host_memory) if host_memory else None
     entry = resolve_model(model)
     _check_seq_len(seq_len, entry.config, entry.name)
+    docs = _documents(documents, seq_len or entry.seq_len)
     space = SearchSpace.load(space_path)
     hardware = Hardware.detect(None if backend in ("auto", "estimate") else backend)
     if hardware.backend == "cuda" and not _cuda_available():
@@ -590,7 +600,7 @@ def run(
         )
     ranks = nodes * per_node
     gbs = global_batch_size or entry.global_batch_size
-    resolved = space.resolve(gbs, hardware, classes_up_to(allow))
+    resolved = space.resolve(gbs, hardware, classes_up_to(allow), documents=docs is not None)
     settings = StudySettings(
         model=entry.name,
         model_config=entry.config,
@@ -609,6 +619,7 @@ def run(
         probe_seeds=probe_seeds,
         confirm_rounds=confirm_rounds,
         nodes=nodes,
+        documents=docs.stored() if docs else None,
         launcher=launcher_settings,
         # default: this machine's memory; unlimited for predictions and for Slurm jobs (the
         # nodes' memory is not this login node's: --host-memory gives it)
@@ -669,6 +680,21 @@ def _check_study_name(name: str) -> None:
             f"--study-name {printable(name)!r} holds control characters (a newline?); "
             "use printable characters"
         )
+
+
+def _documents(text: str | None, seq_len: int) -> Documents | None:
+    """``--documents MIN:MAX``, within the sequence length."""
+    if text is None:
+        return None
+    try:
+        docs = Documents.parse(text)
+    except ValueError as exc:
+        raise UserError(f"--documents: {exc}") from None
+    if docs.shortest > seq_len:
+        raise UserError(
+            f"--documents {text}: the shortest document is longer than the sequence ({seq_len})"
+        )
+    return docs
 
 
 def _check_seq_len(seq_len: int | None, config: dict[str, Any], model: str) -> None:

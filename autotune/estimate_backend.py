@@ -97,6 +97,7 @@ def class_scores(settings: StudySettings) -> dict[str, ClassBest]:
         gpu=study_gpu(settings),
         budget_bytes=settings.budget_bytes,
         host_budget_bytes=settings.host_budget_bytes or None,
+        documents=settings.trial_documents(),
     )
     return best_per_class(scored)
 

@@ -146,19 +146,23 @@ class SearchSpace:
         global_batch_size: int,
         hardware: Hardware,
         allow: tuple[str, ...] = FIDELITY_CLASSES,
+        documents: bool = False,
     ) -> SearchSpace:
-        """Drop micro-batches that don't divide the global batch, choices the hardware lacks and
-        choices of a fidelity class outside ``allow`` (``trials.techniques.classes_up_to``)."""
+        """Drop micro-batches that don't divide the global batch, choices the hardware lacks,
+        choices of a fidelity class outside ``allow`` (``trials.techniques.classes_up_to``) and,
+        without variable-length ``documents``, the dimensions that need them (packing)."""
         dropped: list[str] = []
         dims = []
         present = {d.name for d in self.dimensions}
         for d in self.dimensions:
+            knob = REGISTRY.knob(d.name)
             whole = dimension_unavailable_reason(hardware, d.name)
+            if not whole and not documents and knob is not None:
+                whole = knob.needs_documents
             if whole:  # the dimension means nothing here: dropped whole, its choices with it
                 dropped.append(f"{d.name}: {whole}")
                 continue
             keep = []
-            knob = REGISTRY.knob(d.name)
             for c in d.choices:
                 if (
                     knob is not None

@@ -41,6 +41,7 @@ from optuna.distributions import BaseDistribution
 from optuna.samplers import BaseSampler, RandomSampler
 from optuna.trial import FrozenTrial, TrialState
 
+from trials.data import Documents
 from trials.techniques import REGISTRY, is_exact
 
 Config = dict[str, Any]
@@ -378,6 +379,7 @@ def analytical_predictor(
     nproc: int,
     gpu_key: str | None,
     nodes: int = 1,
+    documents: Documents | None = None,
 ) -> Predictor:
     """The analytical estimator's (peak, tokens/s) for a target GPU, or a nominal CPU."""
     from autotune.estimator.analytical import AnalyticalEstimator
@@ -411,6 +413,7 @@ def analytical_predictor(
             global_batch_size=global_batch_size,
             nproc=nproc,
             gpu=gpu,
+            documents=documents,
         )
         return float(est.peak_bytes), float(est.tokens_per_s)
 

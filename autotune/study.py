@@ -26,7 +26,8 @@ from autotune.errors import UserError
 from autotune.lossguard import Prober, judge
 from autotune.runner import TrialRunner
 from autotune.space import SearchSpace
-from trials.spec import TrialResult, TrialSpec
+from trials.data import Documents
+from trials.spec import TrialResult, TrialSpec, tracked_steps
 from trials.techniques import fidelity_class
 
 DEFAULT_STORAGE = "sqlite:///autotune.db"
@@ -67,6 +68,9 @@ class StudySettings:
     probe_seeds: int = 2
     #: interleaved re-measurement rounds of the finalists (autotune/finalists.py); 0: none
     confirm_rounds: int = 2
+    #: the trial data: [MIN, MAX] tokens per document (``trials.data.Documents``); None: every
+    #: sequence is ``seq_len`` tokens
+    documents: list[int] | None = None
     #: keys that must match to add trials to an existing study
     identity: tuple[str, ...] = field(
         default=(
@@ -79,6 +83,7 @@ class StudySettings:
             "space",
             "nproc",
             "nodes",
+            "documents",
         ),
         repr=False,
     )
@@ -87,7 +92,8 @@ class StudySettings:
         ranks = f"-x{self.nproc}" if self.nproc > 1 else ""
         if self.nodes > 1:
             ranks = f"-{self.nodes}x{self.nproc // self.nodes}"
-        return f"{self.model}-{self.budget_label}-{self.backend}{ranks}"
+        docs = f"-docs{self.documents[0]}-{self.documents[1]}" if self.documents else ""
+        return f"{self.model}-{self.budget_label}-{self.backend}{ranks}{docs}"
 
     def to_attrs(self) -> dict[str, Any]:
         d = asdict(self)
@@ -98,6 +104,12 @@ class StudySettings:
     def from_attrs(cls, attrs: dict[str, Any]) -> StudySettings:
         known = set(cls.__dataclass_fields__) - {"identity"}
         return cls(**{k: v for k, v in attrs.items() if k in known})
+
+    def trial_documents(self) -> Documents | None:
+        """The documents of the steps a trial of this study measures the memory of (None:
+        fixed-length data)."""
+        steps = tracked_steps(self.backend, self.warmup_steps, self.measured_steps)
+        return Documents.of(self.documents, self.seed, steps)
 
     def spec(self, config: dict[str, Any], budget: int | None) -> TrialSpec:
         return TrialSpec(
@@ -114,6 +126,7 @@ class StudySettings:
             nproc=self.nproc,
             nodes=self.nodes,
             host_budget_bytes=self.host_budget_bytes or None,
+            documents=self.documents,
         )
 
 
@@ -159,6 +172,8 @@ def create_or_load(
     stored = _wait_for_settings(study)
     if stored is None:
         raise UserError(f"study '{name}' was not made by autotune; use another --study-name")
+    # a study from before a setting existed had its default (fixed-length data)
+    stored = {"documents": None, **stored}
     for key in settings.identity:
         if key in stored and stored[key] != getattr(settings, key):
             what = "another search space" if key == "space" else f"{key}={stored[key]!r}"
@@ -239,6 +254,7 @@ def least_memory_exact(space: SearchSpace, settings: StudySettings) -> dict[str,
         global_batch_size=settings.global_batch_size,
         nproc=settings.nproc,
         gpu_key=settings.target_gpu or None,
+        documents=settings.trial_documents(),
     )
 
     def key(item: tuple[int, dict[str, Any]]) -> tuple[float, int, int]:
@@ -571,6 +587,7 @@ def _autotune_sampler(
         nproc=s.nproc,
         gpu_key=gpu_key,
         nodes=s.nodes,
+        documents=s.trial_documents(),
     )
     return AutotuneSampler(
         space.grid(), predict, s.budget_bytes, seed=seed, loss_tolerance=s.loss_tolerance

@@ -71,6 +71,7 @@ def measured_and_predicted(spec: TrialSpec, folder: Path) -> tuple[TrialResult, 
     """A real trial of ``spec`` (it must succeed) and the analytical estimator's peak for it."""
     from autotune.estimator.analytical import AnalyticalEstimator
     from autotune.runner import SubprocessRunner
+    from trials.spec import trial_documents
 
     result = SubprocessRunner(folder, timeout_s=600).run(spec, folder.name)
     assert result.status == "ok", result.error + result.stderr_tail
@@ -80,6 +81,7 @@ def measured_and_predicted(spec: TrialSpec, folder: Path) -> tuple[TrialResult, 
         seq_len=spec.seq_len,
         global_batch_size=spec.global_batch_size,
         nproc=spec.nproc,
+        documents=trial_documents(spec),
     )
     return result, predicted.peak_bytes
 

@@ -82,7 +82,7 @@ def test_fp16_overflow_step_is_skipped_and_the_scale_lowered() -> None:
     """Dynamic loss scaling, observed: a step whose scaled gradients overflow fp16 changes no
     weight, and the scale is halved (GradScaler's backoff); the next finite step trains."""
     from trials.engines import TorchEngine
-    from trials.job import build_model, rank_batch
+    from trials.job import build_model, rank_batches
     from trials.memory import make_monitor
 
     spec = tiny_spec({"precision": "fp16", "micro_batch_size": 4}, seq_len=16)
@@ -90,12 +90,12 @@ def test_fp16_overflow_step_is_skipped_and_the_scale_lowered() -> None:
     model.train()
     engine = TorchEngine(model, spec, torch.device("cpu"), make_monitor("cpu", None))
     assert engine.scaler is not None, "fp16 must train under dynamic loss scaling"
-    engine.step(rank_batch(spec, 0, 0, 1))  # the scaler's scale exists after its first step
+    engine.step(rank_batches(spec, 0, 0, 1))  # the scaler's scale exists after its first step
     engine.scaler.update(new_scale=2.0**100)  # any fp16 gradient overflows at this scale
     before = [p.detach().clone() for p in model.parameters()]
-    engine.step(rank_batch(spec, 1, 0, 1))
+    engine.step(rank_batches(spec, 1, 0, 1))
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
     assert engine.scaler.get_scale() == 2.0**99
     engine.scaler.update(new_scale=2.0**8)
-    engine.step(rank_batch(spec, 2, 0, 1))
+    engine.step(rank_batches(spec, 2, 0, 1))
     assert not all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))

@@ -14,7 +14,7 @@ from autotune.runner import merge_ranks
 from autotune.space import SearchSpace
 from tests.conftest import TINY, tiny_spec
 from trials.engines import TorchEngine
-from trials.job import build_model, rank_batch
+from trials.job import build_model, rank_batches
 from trials.memory import CpuMemoryMonitor
 from trials.spec import TrialResult
 from trials.techniques.quantization import QUANTIZATION, add_lora
@@ -130,11 +130,15 @@ def test_merge_keeps_the_worst_ranks_split_and_sums_the_host() -> None:
     assert oom.host_peak_bytes == 4000
 
 
-def test_rank_batches_split_the_same_tokens() -> None:
-    spec = tiny_spec({}, global_batch_size=2)
-    both = torch.cat([rank_batch(spec, 3, r, 2) for r in range(2)])
-    wide = tiny_spec({}, global_batch_size=4)
-    assert torch.equal(both, rank_batch(wide, 3, 0, 1))
+@pytest.mark.parametrize("documents", [None, [3, 16]])
+def test_rank_batches_split_the_same_tokens(documents: list[int] | None) -> None:
+    spec = tiny_spec({"micro_batch_size": 1}, global_batch_size=2, seq_len=16)
+    wide = tiny_spec({"micro_batch_size": 1}, global_batch_size=4, seq_len=16)
+    spec.documents = wide.documents = documents
+    both = [b.input_ids for r in range(2) for b in rank_batches(spec, 3, r, 2)]
+    alone = [b.input_ids for b in rank_batches(wide, 3, 0, 1)]
+    assert len(both) == len(alone) == 4
+    assert all(torch.equal(a, b) for a, b in zip(both, alone, strict=True))
 
 
 @pytest.mark.real_trial
@@ -149,7 +153,7 @@ def test_lora_trains_only_the_adapters() -> None:
     )
     spec = tiny_spec({"micro_batch_size": 4}, seq_len=16)
     engine = TorchEngine(model, spec, torch.device("cpu"), CpuMemoryMonitor(None))
-    losses = [engine.step(rank_batch(spec, s, 0, 1)) for s in range(3)]
+    losses = [engine.step(rank_batches(spec, s, 0, 1)) for s in range(3)]
     assert all(loss == loss for loss in losses)
     params = dict(model.named_parameters())
     assert all(torch.equal(params[n], v) for n, v in frozen.items())

@@ -18,6 +18,7 @@ from torch import nn
 
 from trials.build import build_model
 from trials.cuda import scaler_skipped
+from trials.data import Batch
 from trials.memory import MemoryMonitor, plain_tensors
 from trials.spec import TrialSpec
 from trials.techniques import OPTIMIZERS, PRECISIONS, Run
@@ -87,14 +88,12 @@ class Engine(ABC):
         self.rank, self.world = world()
 
     @abstractmethod
-    def step(self, tokens: torch.Tensor) -> float:
-        """Train on ``tokens`` (this rank's batch); return its mean loss."""
+    def step(self, batches: list[Batch]) -> float:
+        """Train on this rank's micro-batches (``trials.data.step_batches``); return the
+        step's mean loss (this rank's share of it, times the ranks)."""
 
     @abstractmethod
     def breakdown(self, peak: int) -> dict[str, int]: ...
-
-    def micro_batches(self, tokens: torch.Tensor) -> list[torch.Tensor]:
-        return [tokens[i * self.micro : (i + 1) * self.micro] for i in range(self.accum)]
 
 
 class TorchEngine(Engine):
@@ -148,11 +147,11 @@ class TorchEngine(Engine):
             return nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def step(self, tokens: torch.Tensor) -> float:
+    def step(self, batches: list[Batch]) -> float:
         total = 0.0
-        for ids in self.micro_batches(tokens):
+        for batch in batches:
             with self._autocast():
-                loss = self.model(input_ids=ids, labels=ids).loss / self.accum
+                loss = batch.scaled(self.model(**batch.inputs()).loss)
             if self.scaler is not None:
                 self.scaler.scale(loss).backward()
             else:
@@ -231,13 +230,13 @@ class FsdpEngine(TorchEngine):
         with self.monitor.host_allocations() if offloaded else nullcontext():
             return shard(model, self.spec.config, self.device, self.world)
 
-    def step(self, tokens: torch.Tensor) -> float:
+    def step(self, batches: list[Batch]) -> float:
         if not offloads_shards(self.spec.config):
-            return super().step(tokens)
+            return super().step(batches)
         # the shards' gradients and the optimizer's states appear in the step, before they can
         # be marked as host memory: the budget is checked on the step's corrected peak
         with self.monitor.deferred_budget():
-            total = super().step(tokens)
+            total = super().step(batches)
             self._mark_offloaded(self._state_tensors())
         return total
 
@@ -316,17 +315,19 @@ class DeepSpeedEngine(Engine):
         for role, tensors in zero_roles(self.optimizer, self.model).items():
             self.monitor.tag(role, *tensors)
 
-    def step(self, tokens: torch.Tensor) -> float:
+    def step(self, batches: list[Batch]) -> float:
         # with offload, the optimizer's host states appear in the first step, before they can
         # be marked: the budget is then checked on the step's corrected peak
         offloads = offloads_optimizer(self.spec.config) or offloads_params(self.spec.config)
         with self.monitor.deferred_budget() if offloads else nullcontext():
-            return self._step(tokens)
+            return self._step(batches)
 
-    def _step(self, tokens: torch.Tensor) -> float:
+    def _step(self, batches: list[Batch]) -> float:
         total = 0.0
-        for ids in self.micro_batches(tokens):
-            loss = self.engine(input_ids=ids, labels=ids).loss
+        for batch in batches:
+            # DeepSpeed divides by the accumulation itself: the share times it (1 when the
+            # micro-batches are equal)
+            loss = batch.scaled(self.engine(**batch.inputs()).loss, by=self.accum)
             self.engine.backward(loss)  # scaled by 1/accumulation inside
             self._tag_roles()  # gradients live until the step
             self.engine.step()  # the optimizer steps at the accumulation boundary only

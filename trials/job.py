@@ -26,27 +26,43 @@ from torch import nn
 
 from trials.build import build_model
 from trials.cuda import ALLOC_CONF_ENV, capped, is_oom_error, measured_tokens
-from trials.data import batch_for_step
+from trials.data import Batch, Documents, step_batches
 from trials.engines import ENGINES, engine_for, world
 from trials.extensions import clear_stale_locks
 from trials.lifeline import start_lifeline
 from trials.memory import MemoryMonitor, make_monitor
 from trials.spec import TrialResult, TrialSpec, rank_result_path
 from trials.techniques import REGISTRY
+from trials.techniques.micro_batch import micro_and_accumulation
+from trials.techniques.packing import packs
 from trials.techniques.quantization import builds_on_host
 
-__all__ = ["RANK_FAILED_EXIT", "build_model", "main", "run_trial"]
+__all__ = ["RANK_FAILED_EXIT", "build_model", "main", "rank_batches", "run_trial"]
 
 #: exit code of a rank that ran out of memory or failed in a multi-process trial
 RANK_FAILED_EXIT = 17
 
 
-def rank_batch(spec: TrialSpec, step: int, rank: int, world: int) -> torch.Tensor:
-    """This rank's share of step ``step``: the same tokens, split across ranks, whatever N."""
-    gbs = spec.global_batch_size
-    vocab = int(spec.model_config["vocab_size"])
-    tokens = batch_for_step(step, gbs * world, spec.seq_len, vocab, spec.seed)
-    return tokens[rank * gbs : (rank + 1) * gbs]
+def rank_batches(spec: TrialSpec, step: int, rank: int, world: int) -> list[Batch]:
+    """This rank's micro-batches of step ``step``: the same data, split across ranks, whatever
+    N; padded or packed as the config says (``trials.data``)."""
+    micro, accum = micro_and_accumulation(spec.config, spec.global_batch_size)
+    return step_batches(
+        step,
+        micro,
+        accum,
+        spec.seq_len,
+        int(spec.model_config["vocab_size"]),
+        spec.seed,
+        Documents.of(spec.documents, spec.seed),
+        packs(spec.config),
+        rank,
+        world,
+    )
+
+
+def _on(batches: list[Batch], device: torch.device) -> list[Batch]:
+    return [b.to(device) for b in batches]
 
 
 def _sync(device: torch.device) -> None:
@@ -111,25 +127,27 @@ def run_trial(spec: TrialSpec) -> TrialResult:
             engine = ENGINES[engine_for(cfg)](model, spec, device, monitor)
             monitor.end_construction()  # construction's peak is kept apart from training's
             for step in range(spec.warmup_steps):
-                losses.append(engine.step(rank_batch(spec, step, rank, n_ranks).to(device)))
+                losses.append(engine.step(_on(rank_batches(spec, step, rank, n_ranks), device)))
                 monitor.sample()
             with monitor.pause():
                 measured = range(spec.warmup_steps, spec.warmup_steps + spec.measured_steps)
-                batches = [rank_batch(spec, s, rank, n_ranks).to(device) for s in measured]
+                steps = [_on(rank_batches(spec, s, rank, n_ranks), device) for s in measured]
                 times = []
                 skipped_before = engine.skipped
-                for tokens in batches:  # end to end: all micro-batches and the optimizer step
+                for batches in steps:  # end to end: all micro-batches and the optimizer step
                     _sync(device)
                     t0 = time.perf_counter()
-                    losses.append(engine.step(tokens))
+                    losses.append(engine.step(batches))
                     _sync(device)
                     times.append(time.perf_counter() - t0)
                 skipped = engine.skipped - skipped_before
             monitor.sample()
         load = os.getloadavg()[0] / (os.cpu_count() or 1) if hasattr(os, "getloadavg") else 0.0
         step_time, spread = step_statistics(times)
-        # fp16 steps the loss scaler skipped took their time but trained no tokens
-        tokens_done = measured_tokens(spec.global_batch_size * spec.seq_len, len(times), skipped)
+        # fp16 steps the loss scaler skipped took their time but trained no tokens; padding
+        # is not a token (a measured step's real tokens, on average)
+        real = sum(b.shape.tokens for batches in steps for b in batches)
+        tokens_done = measured_tokens(round(real / max(1, len(steps))), len(times), skipped)
         peak = monitor.peak_bytes
         host = host_peak_bytes()
         if spec.host_budget_bytes is not None and host > spec.host_budget_bytes:

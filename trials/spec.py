@@ -10,6 +10,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
+from trials.data import Documents
+
 Status = Literal["ok", "oom", "failed"]
 
 
@@ -36,6 +38,9 @@ class TrialSpec:
     #: per-rank budget overrides, {"rank": bytes} (tests: one rank of several runs out)
     rank_budget_bytes: dict[str, int] = field(default_factory=dict)
     host_budget_bytes: int | None = None  # host RAM this trial may use (all its ranks)
+    #: the data: [MIN, MAX] tokens per document (``trials.data.Documents``); None: every
+    #: sequence is ``seq_len`` tokens
+    documents: list[int] | None = None
 
     def budget_for_rank(self, rank: int) -> int | None:
         return self.rank_budget_bytes.get(str(rank), self.budget_bytes)
@@ -104,6 +109,19 @@ class TrialResult:
     @classmethod
     def load(cls, path: str | Path) -> TrialResult:
         return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def tracked_steps(backend: str, warmup_steps: int, measured_steps: int) -> int:
+    """The steps whose memory a trial measures: on the CPU backend the warm-up steps (the
+    tracker is paused while the measured steps are timed); on CUDA the allocator sees all."""
+    return warmup_steps if backend == "cpu" else warmup_steps + measured_steps
+
+
+def trial_documents(spec: TrialSpec) -> Documents | None:
+    """The documents of the steps this trial measures the memory of (None: fixed-length
+    data): the estimator lays out the same micro-batches."""
+    steps = tracked_steps(spec.backend, spec.warmup_steps, spec.measured_steps)
+    return Documents.of(spec.documents, spec.seed, steps)
 
 
 def rank_result_path(result_path: Path, rank: int, world_size: int) -> Path:

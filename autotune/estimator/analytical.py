@@ -47,12 +47,14 @@ from autotune.estimator.states import (
     zero_states_at,
 )
 from autotune.models import stats_of
+from trials.data import Documents, micro_shapes
 from trials.techniques import OPTIMIZERS
 from trials.techniques.activation_offload import offloads_activations
 from trials.techniques.cross_entropy import loss_tokens
 from trials.techniques.fsdp import runs_fsdp
 from trials.techniques.micro_batch import micro_and_accumulation
 from trials.techniques.optimizer_in_backward import steps_in_backward
+from trials.techniques.packing import packs
 
 
 class AnalyticalEstimator(Estimator):
@@ -67,10 +69,14 @@ class AnalyticalEstimator(Estimator):
         global_batch_size: int,
         nproc: int = 1,
         gpu: GpuSpec | None = None,
+        documents: Documents | None = None,
     ) -> Estimate:
         st = stats_of(model_config)
         h, layers, vocab = st.hidden, st.layers, st.vocab
-        micro, accum = micro_and_accumulation(config, global_batch_size, strict=False)
+        _, accum = micro_and_accumulation(config, global_batch_size, strict=False)
+        # the largest micro-batch's rows (fixed-length data: micro-batch x sequence length)
+        big, mean = micro_shapes(config, seq_len, global_batch_size, documents, nproc)
+        micro, seq_len = big.rows, big.length
         tokens = micro * seq_len
         half = config.get("precision", "fp32") in ("bf16", "fp16")
         deepspeed = deepspeed_states(config)
@@ -123,6 +129,14 @@ class AnalyticalEstimator(Estimator):
             # states' gradient filled slice by slice
             grad_bytes = 2 if half else 4
             bwd_logits += 2 * grad_bytes * head_params + 4 * h * tokens
+        if (
+            documents is not None
+            and packs(config)
+            and str(config.get("attention")) != "flash_attention_2"
+        ):
+            # packed rows: transformers builds one block-causal boolean mask (rows x s x s),
+            # which every layer's attention keeps for backward
+            head_acts += micro * seq_len * seq_len
         acts = kept + head_acts
         cache_in_fwd = weight_cache
         cache_in_bwd = 0 if every == 1 else weight_cache * (layers - n_ckpt) // max(1, layers)
@@ -195,5 +209,15 @@ class AnalyticalEstimator(Estimator):
         host = host_with_activations(states.host, host_acts, nproc, gpu, notes)
         est = Estimate(int(peak), breakdown, method=self.name, notes=notes, host_breakdown=host)
         if gpu is not None:
-            roofline(est, model_config, config, seq_len, global_batch_size, nproc, gpu, host_acts)
+            roofline(
+                est,
+                model_config,
+                config,
+                seq_len,
+                global_batch_size,
+                nproc,
+                gpu,
+                host_acts,
+                shape=mean if documents is not None else None,
+            )
         return est

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autotune.estimator.gpus import GpuSpec
+from trials.data import Documents
 
 #: the parts of a peak, in display order
 PARTS = (
@@ -54,4 +55,7 @@ class Estimator(ABC):
         global_batch_size: int,
         nproc: int = 1,
         gpu: GpuSpec | None = None,
-    ) -> Estimate: ...
+        documents: Documents | None = None,
+    ) -> Estimate:
+        """``documents``: variable-length data (``trials.data``): the activations are those of
+        the trial's largest micro-batch, padded or packed as the config says."""

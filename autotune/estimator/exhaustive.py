@@ -19,6 +19,7 @@ from autotune.estimator.analytical import AnalyticalEstimator
 from autotune.estimator.base import Estimate
 from autotune.estimator.gpus import GpuSpec
 from autotune.estimator.speed import MODEL_ERROR
+from trials.data import Documents
 from trials.techniques import FIDELITY_CLASSES, fidelity_class
 
 
@@ -47,6 +48,7 @@ def score(
     gpu: GpuSpec,
     budget_bytes: int,
     host_budget_bytes: int | None = None,
+    documents: Documents | None = None,
 ) -> list[Scored]:
     """Every configuration with its prediction and whether it fits both memories."""
     est = AnalyticalEstimator()
@@ -59,6 +61,7 @@ def score(
             global_batch_size=global_batch_size,
             nproc=nproc,
             gpu=gpu,
+            documents=documents,
         )
         why = ""
         if e.peak_bytes > budget_bytes:

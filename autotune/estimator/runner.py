@@ -15,7 +15,7 @@ from autotune.estimator.base import Estimate, Estimator
 from autotune.estimator.gpus import GpuSpec
 from autotune.runner import TrialAttrs, TrialRunner
 from autotune.units import format_size
-from trials.spec import TrialResult, TrialSpec
+from trials.spec import TrialResult, TrialSpec, trial_documents
 
 PRUNED = "pruned by estimate"
 
@@ -28,6 +28,7 @@ def _estimate(estimator: Estimator, spec: TrialSpec, gpu: GpuSpec | None) -> Est
         global_batch_size=spec.global_batch_size,
         nproc=spec.nproc,
         gpu=gpu.spanning(spec.nodes, spec.nproc // spec.nodes) if gpu and spec.nodes > 1 else gpu,
+        documents=trial_documents(spec),
     )
 
 

@@ -49,6 +49,7 @@ from autotune.estimator.activations import layer_activation_bytes
 from autotune.estimator.base import Estimate
 from autotune.estimator.gpus import GpuSpec
 from autotune.models import ModelStats, stats_of
+from trials.data import Shape
 from trials.techniques.checkpointing import saved_ops
 from trials.techniques.cross_entropy import is_chunked
 from trials.techniques.fsdp import RESHARD, fsdp_mode, offloads_shards
@@ -134,8 +135,10 @@ def step_time(
     gpu: GpuSpec,
     layer_act_bytes: int,
     offloaded_activations: int = 0,
+    shape: Shape | None = None,
 ) -> StepTime:
-    """The roofline of one step (``global_batch_size`` sequences per GPU)."""
+    """The roofline of one step (``global_batch_size`` sequences per GPU); ``shape``: a
+    typical micro-batch of variable-length data (``trials.data``), rows x length positions."""
     config = zero_equivalent(config)
     precision = str(config.get("precision", "fp32"))
     half = precision in ("bf16", "fp16")
@@ -143,7 +146,9 @@ def step_time(
     peak = gpu.flops_per_s(precision) * matmul_efficiency(gpu)
     hbm = gpu.hbm_gbps * GB * HBM_EFFICIENCY
     micro, accum = micro_and_accumulation(config, global_batch_size, strict=False)
-    tokens = micro * seq_len  # per micro-batch
+    tokens = micro * seq_len  # per micro-batch (positions, padding included)
+    if shape is not None:
+        tokens, seq_len = shape.positions, shape.length
     n = max(1, nproc)
     stage = int(config.get("zero_stage", 0) or 0)
     quant = str(config.get("quantization", "none") or "none")
@@ -263,18 +268,32 @@ def roofline(
     gpu: GpuSpec,
     offloaded_activations: int = 0,
     layer_act_bytes: int | None = None,
+    shape: Shape | None = None,
 ) -> Estimate:
     """Fill ``est.step_time_s`` and ``est.tokens_per_s`` (all GPUs) for ``gpu``;
-    ``offloaded_activations``: bytes per micro-batch one rank moves to the host and back."""
+    ``offloaded_activations``: bytes per micro-batch one rank moves to the host and back;
+    ``shape``: a typical micro-batch of variable-length data (only its real tokens count)."""
     st = stats_of(model_cfg)
     micro = int(config.get("micro_batch_size", global_batch_size))
+    if shape is not None:
+        micro, seq_len = shape.rows, shape.length
     if layer_act_bytes is None:
         layer_act_bytes = layer_activation_bytes(st, config, seq_len, micro)
     t = step_time(
-        st, config, seq_len, global_batch_size, nproc, gpu, layer_act_bytes, offloaded_activations
+        st,
+        config,
+        seq_len,
+        global_batch_size,
+        nproc,
+        gpu,
+        layer_act_bytes,
+        offloaded_activations,
+        shape,
     )
     est.step_time_s = t.total
-    est.tokens_per_s = global_batch_size * seq_len * max(1, nproc) / t.total
+    _, accum = micro_and_accumulation(config, global_batch_size, strict=False)
+    real = shape.tokens * accum if shape is not None else global_batch_size * seq_len
+    est.tokens_per_s = real * max(1, nproc) / t.total
     est.gpu = gpu.name
     est.time_breakdown = {
         "compute": t.compute,

@@ -40,11 +40,13 @@ from autotune.estimator.states import (
     zero_states_at,
 )
 from autotune.models import stats_of
+from trials.data import Documents, Shape, micro_shapes
 from trials.memory import host_scope
 from trials.techniques import OPTIMIZERS, PRECISIONS, REGISTRY
 from trials.techniques.micro_batch import micro_and_accumulation
 from trials.techniques.optimizer import TORCHAO_BLOCK, torchao_quantizes
 from trials.techniques.optimizer_in_backward import InBackward, steps_in_backward
+from trials.techniques.packing import packs
 
 #: the tag of storages made in host memory (offloaded activations): not on the traced device
 HOST = "host"
@@ -300,9 +302,13 @@ def trace_step(
     global_batch_size: int,
     steps: int = 2,
     cuda: bool = True,
+    shape: Shape | None = None,
+    packed: bool = False,
 ) -> dict[str, int]:
     """Peak bytes and their breakdown of ``steps`` training steps of the trial job's loop;
-    ``cuda`` False: as the CPU trial backend runs it (sdpa with attention dropout)."""
+    ``cuda`` False: as the CPU trial backend runs it (sdpa with attention dropout); ``shape``:
+    variable-length data's largest micro-batch (``packed``: rows of several documents, each
+    with its own positions)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from trials.job import build_model
@@ -383,9 +389,14 @@ def trace_step(
         for _ in range(steps):
             for _ in range(accum):
                 tracker.phase = "activations"
-                ids = torch.randint(0, vocab, (micro, seq_len))
+                rows, length = (shape.rows, shape.length) if shape else (micro, seq_len)
+                ids = torch.randint(0, vocab, (rows, length))
+                inputs = {"input_ids": ids, "labels": ids}
+                if packed:  # two documents a row: transformers builds the block-causal mask
+                    half = torch.arange(length) % max(1, length // 2)
+                    inputs["position_ids"] = half.expand(rows, length)
                 with autocast:
-                    loss = model(input_ids=ids, labels=ids).loss / accum
+                    loss = model(**inputs).loss / accum
                 tracker.phase = "temporaries"
                 loss.backward()
                 tracker.end_backward()
@@ -443,6 +454,7 @@ class TracedEstimator(Estimator):
         seq_len: int,
         gbs: int,
         cuda: bool = True,
+        documents: Documents | None = None,
     ) -> dict[str, int]:
         # Only what the single fake process runs matters for the trace: ZeRO and offload are
         # applied afterwards, and a quantized model traces as its 16-bit LoRA-free self.
@@ -455,6 +467,10 @@ class TracedEstimator(Estimator):
             traced_cfg["deepspeed"] = True
         # the CPU's kernels trace what a GPU's fuse (attention dropout): its own cache entry
         keyed = traced_cfg if cuda else {**traced_cfg, "cpu_kernels": True}
+        shape = micro_shapes(config, seq_len, gbs, documents)[0] if documents else None
+        packed = shape is not None and packs(config)
+        if shape is not None:
+            keyed = {**keyed, "shape": [shape.rows, shape.length, packed]}
         key = _cache_key(model_config, keyed, seq_len, gbs)
         path = self.cache / f"{key}.json"
         if self.use_cache and path.is_file():
@@ -463,7 +479,13 @@ class TracedEstimator(Estimator):
             except (OSError, ValueError):
                 pass
         parts = trace_step(
-            model_config, {**traced_cfg, **_ds_flags(config)}, seq_len, gbs, cuda=cuda
+            model_config,
+            {**traced_cfg, **_ds_flags(config)},
+            seq_len,
+            gbs,
+            cuda=cuda,
+            shape=shape,
+            packed=packed,
         )
         if self.use_cache:
             self.cache.mkdir(parents=True, exist_ok=True)
@@ -481,9 +503,15 @@ class TracedEstimator(Estimator):
         global_batch_size: int,
         nproc: int = 1,
         gpu: GpuSpec | None = None,
+        documents: Documents | None = None,
     ) -> Estimate:
         parts = self.traced_parts(
-            model_config, config, seq_len, global_batch_size, cuda=gpu is not None
+            model_config,
+            config,
+            seq_len,
+            global_batch_size,
+            cuda=gpu is not None,
+            documents=documents,
         )
         notes: list[str] = []
         st = stats_of(model_config)
@@ -563,7 +591,18 @@ class TracedEstimator(Estimator):
         host = host_with_activations(states.host, offloaded, nproc, gpu, notes)
         est = Estimate(int(peak), breakdown, method=self.name, notes=notes, host_breakdown=host)
         if gpu is not None:
-            roofline(est, model_config, config, seq_len, global_batch_size, nproc, gpu, offloaded)
+            typical = micro_shapes(config, seq_len, global_batch_size, documents, nproc)[1]
+            roofline(
+                est,
+                model_config,
+                config,
+                seq_len,
+                global_batch_size,
+                nproc,
+                gpu,
+                offloaded,
+                shape=typical if documents is not None else None,
+            )
         return est
 
 

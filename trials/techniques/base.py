@@ -33,8 +33,8 @@ Check = Callable[["Hardware"], "str | None"]
 
 #: How far a configuration's training math is from plain fp32 AdamW full training, best first.
 #: ``exact``: the same math up to float reordering (checkpointing, ZeRO, offload, attention
-#: kernels, buckets, micro-batch/accumulation at a fixed global batch); ``mixed``: 16-bit compute
-#: over fp32 master weights; ``reduced_state``: weights or optimizer state below fp32 (pure bf16,
+#: kernels, buckets, micro-batch/accumulation at a fixed global batch, packing); ``mixed``:
+#: 16-bit compute over fp32 master weights; ``reduced_state``: weights or optimizer state below fp32 (pure bf16,
 #: 8-bit optimizer state); ``other_optimizer``: a different update rule (Adafactor, Lion);
 #: ``adapters``: LoRA/QLoRA, a different training problem (the base weights stay frozen).
 FIDELITY_CLASSES: tuple[str, ...] = (
@@ -87,6 +87,9 @@ class Knob:
     #: per choice, what else a loss probe's config must set for the choice to take effect
     #: (the probe trains only the numerics choices; pure bf16 exists only under ZeRO)
     probe_needs: Mapping[Choice, Mapping[str, Choice]] = field(default_factory=dict)
+    #: a dimension that means something only for variable-length data (``trials.data``): the
+    #: reason it is dropped on fixed-length data
+    needs_documents: str | None = None
 
 
 @dataclass(frozen=True)
