@@ -36,6 +36,9 @@ def test_best_fit_decreasing_by_hand() -> None:
     # 7 opens row 0 (room 1); 5 opens row 1 (room 3); 4 fits neither: row 2 (room 4); 3 fits
     # rows 1 and 2, the fullest is row 1 (room 0); 2 fits row 2 only (room 2)
     assert pack([5, 3, 7, 2, 4], 8) == [[7], [5, 3], [4, 2]]
+    # 8 -> row 0 (room 2), 7 -> row 1 (3), 5 -> row 2 (5), 4 -> row 2 (1), 2 fits rows 0 and
+    # 1: the fullest is row 0 (0); 1 fits rows 1 and 2: the fullest is row 2 (first fit: row 1)
+    assert pack([8, 1, 2, 7, 4, 5], 10) == [[8, 2], [7], [5, 4, 1]]
     assert pack([8, 8], 8) == [[8], [8]]
     assert pack([1, 1, 1], 8) == [[1, 1, 1]]
 
@@ -98,6 +101,17 @@ def test_the_packed_loss_and_gradients_are_each_document_alone() -> None:
         assert loss.item() == pytest.approx(total.item(), rel=1e-5)
         for name, p in model.named_parameters():
             torch.testing.assert_close(p.grad, want[name], rtol=1e-4, atol=1e-6)
+
+
+def test_the_shares_make_the_mean_over_every_rank_s_targets() -> None:
+    """Each micro-batch's share is its targets over the step's (all ranks'), times the ranks
+    (their gradients are averaged): summed over both ranks, 2."""
+    docs = Documents(3, 20)
+    both = [b for r in range(2) for b in step_batches(1, 2, 2, 24, 256, 0, docs, True, r, 2)]
+    targets = sum(int((b.labels != IGNORE_INDEX).sum()) for b in both)
+    assert sum((b.share for b in both), Fraction(0)) == 2
+    for b in both:
+        assert b.share == Fraction(2 * int((b.labels != IGNORE_INDEX).sum()), targets)
 
 
 def test_the_estimator_lays_out_the_trial_s_micro_batches() -> None:

@@ -106,6 +106,7 @@ def test_built_in_tables_are_the_ones_the_modules_replaced() -> None:
         "optimizer",
         "optimizer_in_backward",
         "micro_batch_size",
+        "packing",
         "fsdp",
         "fsdp_offload",
         "zero_stage",
@@ -129,6 +130,7 @@ def test_built_in_tables_are_the_ones_the_modules_replaced() -> None:
         "attention": "sdpa",
         "optimizer": "adamw",
         "optimizer_in_backward": False,
+        "packing": False,
         "fsdp": "off",
         "fsdp_offload": "none",
         "zero_stage": 0,
@@ -157,7 +159,7 @@ def test_built_in_tables_are_the_ones_the_modules_replaced() -> None:
         "quantization",
     )
     families = [t.family for t in REGISTRY]
-    assert len(families) == len(set(families)) == 14
+    assert len(families) == len(set(families)) == 15
 
 
 def test_a_dimension_belongs_to_one_technique(toy: ToyPad) -> None:
