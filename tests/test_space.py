@@ -77,8 +77,14 @@ def test_grid_respects_conditions_and_rules() -> None:
     bf16 = fp32 + 3 * (9 + 36 + 24)
     fsdp = 2 * 2 * 2 * 2
     in_backward = 1 * 3 * 2
+    # torch.compile runs under the torch engine (no ZeRO or FSDP2), without activation
+    # offloading: 7 checkpointings x 2 cross-entropies x (9 micro-batch/attention x 2
+    # precisions x 3 optimizers, and the step in backward)
+    compiled = (1 + 3 + 3) * 2 * ((5 + 4) * 2 * 3 + in_backward)
     # checkpointing: off, full (3 ops saved x activation offload or not), every 2nd (3 ops saved)
-    assert len(grid) == (1 + 3 * 2 + 3) * 2 * ((5 + 4) * (fp32 + bf16 + fsdp) + in_backward)
+    assert (
+        len(grid) == (1 + 3 * 2 + 3) * 2 * ((5 + 4) * (fp32 + bf16 + fsdp) + in_backward) + compiled
+    )
     for c in grid:
         if c.get("optimizer_in_backward"):
             assert c["micro_batch_size"] == 16 and "zero_stage" not in c and "fsdp" not in c
@@ -128,6 +134,7 @@ def test_params_for_round_trips_through_enqueue() -> None:
         "micro_batch_size": 4,
         "quantization": "none",
         "optimizer_in_backward": False,
+        "compile": False,
         "fsdp": "off",
         "zero_stage": 3,
         "offload_optimizer": "none",  # lion: DeepSpeed offloads only its own Adam
@@ -156,6 +163,7 @@ def test_reference_is_exact_and_minimal() -> None:
         "micro_batch_size": 1,
         "quantization": "none",
         "optimizer_in_backward": False,
+        "compile": False,
         "fsdp": "off",
         "zero_stage": 0,
     }

@@ -107,6 +107,7 @@ def test_built_in_tables_are_the_ones_the_modules_replaced() -> None:
         "optimizer_in_backward",
         "micro_batch_size",
         "packing",
+        "compile",
         "fsdp",
         "fsdp_offload",
         "zero_stage",
@@ -131,6 +132,7 @@ def test_built_in_tables_are_the_ones_the_modules_replaced() -> None:
         "optimizer": "adamw",
         "optimizer_in_backward": False,
         "packing": False,
+        "compile": False,
         "fsdp": "off",
         "fsdp_offload": "none",
         "zero_stage": 0,
@@ -159,7 +161,7 @@ def test_built_in_tables_are_the_ones_the_modules_replaced() -> None:
         "quantization",
     )
     families = [t.family for t in REGISTRY]
-    assert len(families) == len(set(families)) == 15
+    assert len(families) == len(set(families)) == 16
 
 
 def test_a_dimension_belongs_to_one_technique(toy: ToyPad) -> None:

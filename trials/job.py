@@ -18,6 +18,7 @@ import statistics
 import sys
 import time
 import traceback
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from trials.lifeline import start_lifeline
 from trials.memory import MemoryMonitor, make_monitor
 from trials.spec import TrialResult, TrialSpec, rank_result_path
 from trials.techniques import REGISTRY
+from trials.techniques.compile import compiles
 from trials.techniques.micro_batch import micro_and_accumulation
 from trials.techniques.packing import packs
 from trials.techniques.quantization import builds_on_host
@@ -126,8 +128,19 @@ def run_trial(spec: TrialSpec) -> TrialResult:
             model = REGISTRY.apply(model, cfg, device)
             engine = ENGINES[engine_for(cfg)](model, spec, device, monitor)
             monitor.end_construction()  # construction's peak is kept apart from training's
+            # compiled: the first steps compile (their time beyond a measured step's is the
+            # compilation), and only the allocator sees what inductor's kernels hold
+            compiled = compiles(cfg)
+            counted = monitor.allocator_counted if compiled else nullcontext
+            warm = []
             for step in range(spec.warmup_steps):
-                losses.append(engine.step(_on(rank_batches(spec, step, rank, n_ranks), device)))
+                batches = _on(rank_batches(spec, step, rank, n_ranks), device)
+                _sync(device)
+                t0 = time.perf_counter()
+                with counted():
+                    losses.append(engine.step(batches))
+                _sync(device)
+                warm.append(time.perf_counter() - t0)
                 monitor.sample()
             with monitor.pause():
                 measured = range(spec.warmup_steps, spec.warmup_steps + spec.measured_steps)
@@ -144,6 +157,7 @@ def run_trial(spec: TrialSpec) -> TrialResult:
             monitor.sample()
         load = os.getloadavg()[0] / (os.cpu_count() or 1) if hasattr(os, "getloadavg") else 0.0
         step_time, spread = step_statistics(times)
+        compile_s = max(0.0, sum(warm) - len(warm) * step_time) if compiled else 0.0
         # fp16 steps the loss scaler skipped took their time but trained no tokens; padding
         # is not a token (a measured step's real tokens, on average)
         real = sum(b.shape.tokens for batches in steps for b in batches)
@@ -170,6 +184,7 @@ def run_trial(spec: TrialSpec) -> TrialResult:
             tokens_per_s=tokens_done / (step_time * len(times)) if step_time else 0.0,
             step_time_s=step_time,
             step_spread=spread,
+            compile_s=compile_s,
             load_per_core=load,
             losses=losses,
             wall_s=time.perf_counter() - start,

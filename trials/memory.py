@@ -106,6 +106,13 @@ class MemoryMonitor(ABC):
 
         return contextlib.nullcontext()
 
+    def allocator_counted(self) -> Any:
+        """A context whose memory only the allocator can count (what ``torch.compile`` runs).
+        On CUDA the caching allocator counts everything anyway."""
+        import contextlib
+
+        return contextlib.nullcontext()
+
     def deferred_budget(self) -> Any:
         """A context in which the budget is checked once, at its end, on the peak as corrected
         by ``mark_host`` (DeepSpeed makes its offloaded buffers before they can be marked)."""
@@ -232,6 +239,7 @@ class CpuMemoryMonitor(MemoryMonitor):
         self._resized_to: dict[int, int] = {}
         self._resize: Any = None  # torch.UntypedStorage.resize_ while the monitor is entered
         self._eager: Any = None  # torch.compiler's force_eager stance, entered with the monitor
+        self._opaque = False  # some steps counted by the allocator (``allocator_counted``)
 
     def _track(self, t: torch.Tensor) -> None:
         if self._paused or t.device.type != "cpu" or t.is_meta:
@@ -447,6 +455,49 @@ class CpuMemoryMonitor(MemoryMonitor):
 
         return _paused()
 
+    def allocator_counted(self) -> Any:
+        """A context whose memory the CPU allocator counts, not the dispatch mode: what
+        ``torch.compile`` runs (dynamo does not trace under a dispatch mode, and inductor's
+        kernels allocate their buffers below the dispatcher; what compiles here must also leave
+        the monitor's ``force_eager`` stance itself, as the compiled blocks do).
+        ``torch.profiler`` reports every allocation and free of the CPU allocator
+        (``profile_memory``); the live bytes at entry plus the most those events add up to is
+        the peak inside, and the budget is checked on it at the end (the step runs to its end
+        first). Storages made inside are counted by
+        bytes, not by name: no role is attributed to them (``breakdown`` falls back to the
+        engine's, as on CUDA), and one made inside and freed outside such a context stays
+        counted, so a trial that uses it runs all its tracked steps inside."""
+        import contextlib
+
+        from torch.profiler import ProfilerActivity, profile
+
+        @contextlib.contextmanager
+        def _counted() -> Any:
+            start = self._live
+            with (
+                self.pause(),
+                profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof,
+            ):
+                yield
+            running = top = 0
+            for nbytes in allocator_events(prof):
+                running += nbytes
+                top = max(top, running)
+            # frees of tracked storages inside were counted by both: the allocator's events
+            # alone say what changed
+            self._timeline.append(start + top)
+            self._live = start + running
+            self._timeline.append(self._live)
+            self._peak = max(self._peak, start + top)
+            self._opaque = True
+            budget = self.budget_bytes
+            if budget is not None and start + top > budget:
+                raise torch.OutOfMemoryError(
+                    f"CPU allocator: out of memory: peak {start + top} bytes, budget {budget} bytes"
+                )
+
+        return _counted()
+
     def tag(self, role: str, *tensors: torch.Tensor | None) -> None:
         held = (inner for outer in tensors if outer is not None for inner in plain_tensors(outer))
         for t in held:
@@ -487,6 +538,8 @@ class CpuMemoryMonitor(MemoryMonitor):
         return self._peak_index(self._construction_end)[1]
 
     def breakdown(self, construction: bool = False) -> dict[str, int]:
+        if self._opaque and not construction:
+            return {}  # the allocator counted bytes, not storages
         stop = self._construction_end if construction else None
         where, _ = self._peak_index(0, stop)
         return self._ledger.roles_at(where) if where >= 0 else {}
@@ -500,6 +553,18 @@ class CpuMemoryMonitor(MemoryMonitor):
     @property
     def live_bytes(self) -> int:
         return self._live
+
+
+def allocator_events(prof: Any) -> Iterator[int]:
+    """The CPU allocator's allocations (positive bytes) and frees (negative) a
+    ``torch.profiler.profile(profile_memory=True)`` recorded, in time order."""
+    events = [
+        e
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+    ]
+    events.sort(key=lambda e: e.start_ns())
+    return (int(e.nbytes()) for e in events)
 
 
 def _unpack(t: torch.Tensor) -> torch.Tensor:

@@ -97,6 +97,9 @@ class TrialResult:
     step_time_s: float = 0.0  # median time of one measured optimizer step (all micro-batches)
     step_spread: float = 0.0  # interquartile range of the measured step times / their median
     load_per_core: float = 0.0  # the machine's 1-minute load average / CPU count, while measuring
+    #: a compiled trial's warm-up time beyond as many measured steps: its compilation, kept
+    #: apart from the step time (``trials.techniques.compile``)
+    compile_s: float = 0.0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)

@@ -33,7 +33,7 @@ Check = Callable[["Hardware"], "str | None"]
 
 #: How far a configuration's training math is from plain fp32 AdamW full training, best first.
 #: ``exact``: the same math up to float reordering (checkpointing, ZeRO, offload, attention
-#: kernels, buckets, micro-batch/accumulation at a fixed global batch, packing); ``mixed``:
+#: kernels, buckets, micro-batch/accumulation at a fixed global batch, packing, compile); ``mixed``:
 #: 16-bit compute over fp32 master weights; ``reduced_state``: weights or optimizer state below
 #: fp32 (pure bf16, 8-bit optimizer state); ``other_optimizer``: a different update rule
 #: (Adafactor, Lion);

@@ -1,0 +1,93 @@
+"""``torch.compile`` of the model's blocks: each decoder layer compiled once (dynamo traces one
+layer and every other reuses the graph, as torchtune's ``compile_model`` does), the loss and
+the optimizer left eager. Inductor fuses the element-wise chains (norms, SiLU, residual adds,
+RoPE) into kernels that keep fewer intermediates for backward and read memory fewer times;
+the math is the same up to float reordering (exact). The first steps pay the compilation
+(``TrialResult.compile_s``, kept apart from the step time, which is measured after it).
+
+On the CPU backend the memory tracker's dispatch mode would stop dynamo (it does not trace
+under one) and inductor's buffers are allocated below the dispatcher, so a compiled trial's
+steps are counted by the CPU allocator itself (``CpuMemoryMonitor.allocator_counted``); on
+CUDA the caching allocator sees them as any other. Compiled blocks run under the torch engine
+only (not DeepSpeed or FSDP2, whose hooks on the blocks dynamo would have to trace) and not
+with quantized weights. On a CPU inductor needs a C++ compiler.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from trials.techniques.base import Config, Knob, Run, Technique
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from trials.hardware import Hardware
+
+COMPILE = "compile"
+
+
+def compiles(config: Config) -> bool:
+    return bool(config.get(COMPILE, False))
+
+
+def _inductor(hw: Hardware) -> str | None:
+    if hw.backend == "cpu" and not hw.has_cxx:
+        return "inductor needs a C++ compiler on a CPU (apt install g++)"
+    return None
+
+
+def compile_blocks(model: nn.Module) -> nn.Module:
+    """Each repeated block's ``forward`` compiled in place (names and state dict unchanged, so
+    checkpointing, the exports and the loss see the same model). A compiled block runs compiled
+    even under the CPU monitor's ``force_eager`` stance (which keeps what else compiles, such
+    as torchao's optimizer step, eager as in every other trial): it sets the default stance for
+    its own call."""
+    import functools
+
+    import torch
+
+    from trials.techniques.fsdp import blocks
+
+    for block in blocks(model):
+        compiled = torch.compile(block.forward)
+
+        @functools.wraps(block.forward)
+        def forward(*args: Any, _compiled: Any = compiled, **kwargs: Any) -> Any:
+            with torch.compiler.set_stance("default"):
+                return _compiled(*args, **kwargs)
+
+        block.forward = forward  # type: ignore[method-assign]
+    return model
+
+
+class Compile(Technique):
+    family = "compile"
+    traced = False  # the fake step traces the eager model: the estimator's terms say the rest
+    knobs = (
+        Knob(
+            COMPILE,
+            (False, True),
+            baseline=False,
+            from_bool=(True, False),
+            short=lambda v: "compiled" if v else "",
+            requires={True: _inductor},
+        ),
+    )
+
+    def apply(self, model: nn.Module, config: Config, device: torch.device) -> nn.Module:
+        return compile_blocks(model) if compiles(config) else model
+
+    def training_arguments(self, config: Config, run: Run) -> dict[str, Any]:
+        # the Trainer compiles the whole model (``model = torch.compile(model)``) with inductor
+        return {"torch_compile": True} if compiles(config) else {}
+
+    def axolotl(self, config: Config, run: Run) -> dict[str, Any]:
+        return {"torch_compile": True} if compiles(config) else {}
+
+    def companion(self, config: Config, run: Run) -> dict[str, Any]:
+        return {"compile": "each decoder layer (nn.Module.compile)" if compiles(config) else None}
+
+
+TECHNIQUE = Compile()
