@@ -6,8 +6,8 @@
 #   3. the winner's measured peak within 10% of the analytical estimate for this GPU
 #   4. the newer techniques (chunked cross-entropy, per-op checkpointing, activation offload,
 #      optimizer step in backward, FSDP2 with offload, torchao 8-/4-bit AdamW, bitsandbytes'
-#      paged 8-bit AdamW), one trial each beside plain bf16: runs, saves, within 10% of the
-#      estimate
+#      paged 8-bit AdamW, torch.compile; sequence packing beside padding on variable-length
+#      documents), one trial each beside plain bf16: runs, saves, within 10% of the estimate
 # and two summary tables. Under 10 minutes on one recent GPU (H100/H200/A100: 8 + 8 trials).
 #
 #   bash scripts/gpu_acceptance.sh                 # on a GPU machine: installs .venv-gpu first
@@ -193,7 +193,7 @@ from autotune.estimator.analytical import AnalyticalEstimator
 from autotune.estimator.gpus import gpu_spec
 from autotune.hardware import detected_gpu_key
 from autotune.runner import SubprocessRunner
-from trials.spec import TrialSpec
+from trials.spec import TrialSpec, trial_documents
 
 model_path, mode, seq, gbs, folder = sys.argv[1:6]
 model = json.loads(Path(model_path).read_text())
@@ -211,6 +211,7 @@ rungs = {
     "FSDP2 full_shard + offload": ({"fsdp": "full_shard", "fsdp_offload": "cpu"}, True),
     "torchao AdamW 8-bit": ({"optimizer": "adamw_torchao_8bit"}, True),
     "torchao AdamW 4-bit": ({"optimizer": "adamw_torchao_4bit"}, True),
+    "torch.compile": ({"compile": True}, False),
 }
 if mode == "gpu":
     rungs["bitsandbytes paged AdamW 8-bit"] = ({"optimizer": "paged_adamw_8bit"}, True)
@@ -219,12 +220,14 @@ gpu = gpu_spec(detected_gpu_key()) if mode == "gpu" and detected_gpu_key() else 
 mib = 2**20
 
 
-def trial(config, name):
+def trial(config, name, documents=None):
     spec = TrialSpec(model_config=model, config=config, seq_len=int(seq),
-                     global_batch_size=int(gbs), backend=backend, measured_steps=3)
+                     global_batch_size=int(gbs), backend=backend, measured_steps=3,
+                     documents=documents)
     result = runner.run(spec, name)
     est = AnalyticalEstimator().estimate(model, config, seq_len=int(seq),
-                                         global_batch_size=int(gbs), gpu=gpu)
+                                         global_batch_size=int(gbs), gpu=gpu,
+                                         documents=trial_documents(spec))
     return result, est.peak_bytes
 
 
@@ -244,6 +247,22 @@ for name, (extra, saves) in rungs.items():
     checks[f"{name}: within 10% of the estimate"] = result.status == "ok" and abs(err) <= 0.10
     if saves:
         checks[f"{name}: lower peak than plain"] = result.peak_bytes < plain.peak_bytes
+# sequence packing needs variable-length data: documents of an eighth to all of the sequence,
+# padded beside packed (no checkpointing, where the activations are the peak)
+docs = [max(2, int(seq) // 8), int(seq)]
+unpacked = {**base, "gradient_checkpointing": "off", "micro_batch_size": max(1, int(gbs) // 2)}
+padded, padded_est = trial(unpacked, "padded", docs)
+packed, packed_est = trial({**unpacked, "packing": True}, "packed", docs)
+for name, (result, est) in {"padded documents": (padded, padded_est),
+                            "packing": (packed, packed_est)}.items():
+    err = (result.peak_bytes - est) / est if est else 0.0
+    table.add_row(name, result.status, f"{result.peak_bytes / mib:,.0f}", f"{est / mib:,.0f}",
+                  f"{err:+.1%}", f"{result.tokens_per_s:,.0f}")
+    checks[f"{name}: runs"] = result.status == "ok"
+    checks[f"{name}: within 10% of the estimate"] = result.status == "ok" and abs(err) <= 0.10
+checks["packing: lower peak and more tokens/s than padding"] = (
+    packed.peak_bytes < padded.peak_bytes and packed.tokens_per_s > padded.tokens_per_s
+)
 console = Console(width=140)
 console.print(table)
 for name, passed in checks.items():

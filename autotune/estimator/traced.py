@@ -43,6 +43,7 @@ from autotune.models import stats_of
 from trials.data import Documents, Shape, micro_shapes
 from trials.memory import host_scope
 from trials.techniques import OPTIMIZERS, PRECISIONS, REGISTRY
+from trials.techniques.compile import compiles
 from trials.techniques.micro_batch import micro_and_accumulation
 from trials.techniques.optimizer import TORCHAO_BLOCK, torchao_quantizes
 from trials.techniques.optimizer_in_backward import InBackward, steps_in_backward
@@ -587,6 +588,27 @@ class TracedEstimator(Estimator):
             breakdown["activations"] -= cut
             peak -= cut
             notes.append("16-bit copies of the (frozen, quantized) base weights removed")
+        if compiles(config):
+            # fake tensors run the layers eagerly: what the compiled layers do not keep is the
+            # analytical model's difference (measured with saved-tensor hooks on a compiled one)
+            from autotune.estimator.analytical import AnalyticalEstimator
+
+            analytical = AnalyticalEstimator()
+            kw: dict[str, Any] = {
+                "seq_len": seq_len,
+                "global_batch_size": global_batch_size,
+                "nproc": nproc,
+                "gpu": gpu,
+                "documents": documents,
+            }
+            eager = analytical.estimate(model_config, {**config, "compile": False}, **kw)
+            saving = eager.peak_bytes - analytical.estimate(model_config, config, **kw).peak_bytes
+            cut = max(0, min(saving, breakdown["activations"]))
+            breakdown["activations"] -= cut
+            peak -= cut
+            notes.append(
+                f"compiled layers traced eagerly; the analytical saving taken off ({cut} B)"
+            )
         offloaded = parts.get("host_activations", 0)
         host = host_with_activations(states.host, offloaded, nproc, gpu, notes)
         est = Estimate(int(peak), breakdown, method=self.name, notes=notes, host_breakdown=host)
