@@ -185,3 +185,46 @@ def test_a_real_trial_packs_for_less_memory_and_more_tokens(tmp_path: Path) -> N
     real = [sum(document_lengths(s, 8, Documents(8, 128), 128, 3)) for s in (2, 3, 4)]
     for r in (padded, packed_):
         assert r.tokens_per_s * r.step_time_s == pytest.approx(round(sum(real) / 3), rel=1e-6)
+
+
+@pytest.mark.real_trial
+def test_a_study_on_documents_searches_packing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``autotune run --documents``: the study keeps its data (and names it), packing is a
+    dimension its trials ran both ways, and its exact trials kept the reference's losses."""
+    import optuna
+
+    from autotune.study import settings_of
+    from tests.conftest import NO_PROBES, SMALL_ARGS, cli
+
+    monkeypatch.chdir(tmp_path)
+    space = tmp_path / "space.yaml"
+    space.write_text(
+        "dimensions:\n  micro_batch_size:\n    choices: [8]\n  packing:\n"
+        "    choices: [false, true]\n"
+    )
+    result = cli(
+        "run",
+        "--model",
+        "tiny-llama",
+        "--budget",
+        "1GB",
+        "--space",
+        str(space),
+        *SMALL_ARGS,
+        *NO_PROBES,
+        "--documents",
+        "8:64",
+        "--trials",
+        "2",
+    )
+    assert result.exit_code == 0, result.output
+    name = "tiny-llama-1GB-cpu-docs8-64"
+    study = optuna.load_study(study_name=name, storage="sqlite:///autotune.db")
+    assert settings_of(study).documents == [8, 64]
+    ran = {t.user_attrs["config"]["packing"]: t.user_attrs for t in study.trials}
+    assert set(ran) == {False, True}
+    assert all(a["status"] == "ok" for a in ran.values())
+    assert ran[True]["losses"] == pytest.approx(ran[False]["losses"], rel=1e-5)
+    assert ran[True]["peak_bytes"] < ran[False]["peak_bytes"]
