@@ -228,3 +228,22 @@ def test_a_study_on_documents_searches_packing(
     assert all(a["status"] == "ok" for a in ran.values())
     assert ran[True]["losses"] == pytest.approx(ran[False]["losses"], rel=1e-5)
     assert ran[True]["peak_bytes"] < ran[False]["peak_bytes"]
+
+
+def test_a_gpu_prediction_lays_out_every_step() -> None:
+    """On a GPU the allocator sees every step (the CPU tracker the warm-up ones): a prediction
+    for a GPU lays out all of them."""
+    from autotune.estimator.analytical import AnalyticalEstimator
+    from autotune.estimator.gpus import gpu_spec
+    from autotune.estimator.runner import EstimateRunner
+
+    spec = tiny_spec({}, seq_len=128, measured_steps=6, seed=3)
+    spec.documents = [8, 128]
+    gpu = gpu_spec("h100")
+    predicted = EstimateRunner(AnalyticalEstimator(), gpu).run(spec, "x").peak_bytes
+    kw: dict[str, Any] = {"seq_len": 128, "global_batch_size": 8, "gpu": gpu}
+    every = Documents(8, 128, seed=3, steps=8)
+    warm = Documents(8, 128, seed=3, steps=2)
+    estimate = AnalyticalEstimator().estimate
+    assert predicted == estimate(TINY, spec.config, documents=every, **kw).peak_bytes
+    assert predicted > estimate(TINY, spec.config, documents=warm, **kw).peak_bytes

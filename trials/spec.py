@@ -120,10 +120,11 @@ def tracked_steps(backend: str, warmup_steps: int, measured_steps: int) -> int:
     return warmup_steps if backend == "cpu" else warmup_steps + measured_steps
 
 
-def trial_documents(spec: TrialSpec) -> Documents | None:
+def trial_documents(spec: TrialSpec, backend: str | None = None) -> Documents | None:
     """The documents of the steps this trial measures the memory of (None: fixed-length
-    data): the estimator lays out the same micro-batches."""
-    steps = tracked_steps(spec.backend, spec.warmup_steps, spec.measured_steps)
+    data): the estimator lays out the same micro-batches. ``backend``: where the prediction is
+    for, when not the spec's (a GPU's allocator sees every step)."""
+    steps = tracked_steps(backend or spec.backend, spec.warmup_steps, spec.measured_steps)
     return Documents.of(spec.documents, spec.seed, steps)
 
 

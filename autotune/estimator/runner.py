@@ -28,7 +28,7 @@ def _estimate(estimator: Estimator, spec: TrialSpec, gpu: GpuSpec | None) -> Est
         global_batch_size=spec.global_batch_size,
         nproc=spec.nproc,
         gpu=gpu.spanning(spec.nodes, spec.nproc // spec.nodes) if gpu and spec.nodes > 1 else gpu,
-        documents=trial_documents(spec),
+        documents=trial_documents(spec, "cuda" if gpu else None),
     )
 
 
