@@ -35,10 +35,13 @@ T4 = Hardware("cuda", cuda_capability=(7, 5), gpu_count=1, has_bitsandbytes=True
 
 def test_default_space_never_samples_meaningless_zero_combinations() -> None:
     everything = SearchSpace.load().resolve(16, CPU).grid()
-    # the configurations without DeepSpeed are FSDP2's and the optimizer step in backward's
+    # the configurations without DeepSpeed are FSDP2's, the optimizer step in backward's and
+    # the compiled ones (torch engine)
     grid = [c for c in everything if "zero_stage" in c]
     others = [c for c in everything if "zero_stage" not in c]
-    assert all(c.get("fsdp", "off") != "off" or c["optimizer_in_backward"] for c in others)
+    assert all(
+        c.get("fsdp", "off") != "off" or c["optimizer_in_backward"] or c["compile"] for c in others
+    )
     assert {c["zero_stage"] for c in grid} == {0, 1, 2, 3}
     for c in grid:
         stage = c["zero_stage"]
