@@ -75,9 +75,9 @@ class AnalyticalEstimator(Estimator):
         h, layers, vocab = st.hidden, st.layers, st.vocab
         _, accum = micro_and_accumulation(config, global_batch_size, strict=False)
         # the largest micro-batch's rows (fixed-length data: micro-batch x sequence length)
-        big, mean = micro_shapes(config, seq_len, global_batch_size, documents, nproc)
-        micro, seq_len = big.rows, big.length
-        tokens = micro * seq_len
+        big = micro_shapes(config, seq_len, global_batch_size, documents, nproc)[0]
+        micro, length = big.rows, big.length
+        tokens = micro * length
         half = config.get("precision", "fp32") in ("bf16", "fp16")
         deepspeed = deepspeed_states(config)
         fsdp = runs_fsdp(config)
@@ -99,14 +99,14 @@ class AnalyticalEstimator(Estimator):
         layer_weight_cache = 2 * layer_linear if half and not quantized else 0
 
         cuda = gpu is not None
-        per_layer = layer_activation_bytes(st, config, seq_len, micro, cuda)
+        per_layer = layer_activation_bytes(st, config, length, micro, cuda)
         stream_width = 2 if model16 and half else 4  # the residual stream's dtype
         stream = stream_width * h * tokens  # a layer's input
         ckpt = str(config.get("gradient_checkpointing", "off"))
         every = {"off": 0, "full": 1}.get(ckpt, int(config.get("checkpoint_every", 2)))
         n_ckpt = layers // every if every else 0
         # a checkpointed layer keeps its input and, selective per op, the saved ops' outputs
-        kept = n_ckpt * (stream + saved_op_bytes(st, config, seq_len, micro))
+        kept = n_ckpt * (stream + saved_op_bytes(st, config, length, micro))
         kept += (layers - n_ckpt) * per_layer
         recompute = (per_layer + layer_weight_cache) if every else 0
         # the final norm (what the norm's kind keeps) and the head's input (its output, or under
@@ -136,7 +136,7 @@ class AnalyticalEstimator(Estimator):
         ):
             # packed rows: transformers builds one block-causal boolean mask (rows x s x s),
             # which every layer's attention keeps for backward
-            head_acts += micro * seq_len * seq_len
+            head_acts += micro * length * length
         acts = kept + head_acts
         cache_in_fwd = weight_cache
         cache_in_bwd = 0 if every == 1 else weight_cache * (layers - n_ckpt) // max(1, layers)
@@ -148,7 +148,7 @@ class AnalyticalEstimator(Estimator):
             # brings one layer back at a time (with its recompute); per-op checkpointing's saved
             # ops stay in the checkpoint's own store, and autocast's cast cache still holds the
             # weight copies the layers save (their host copies are extra)
-            saved_ops = n_ckpt * saved_op_bytes(st, config, seq_len, micro)
+            saved_ops = n_ckpt * saved_op_bytes(st, config, length, micro)
             host_acts = kept - saved_ops + final_norm
             if half and not model16 and not quantized:
                 host_acts += 2 * layer_linear * (layers - n_ckpt)
@@ -218,6 +218,6 @@ class AnalyticalEstimator(Estimator):
                 nproc,
                 gpu,
                 host_acts,
-                shape=mean if documents is not None else None,
+                documents=documents,
             )
         return est

@@ -49,7 +49,7 @@ from autotune.estimator.activations import layer_activation_bytes
 from autotune.estimator.base import Estimate
 from autotune.estimator.gpus import GpuSpec
 from autotune.models import ModelStats, stats_of
-from trials.data import Shape
+from trials.data import Documents, Shape, micro_shapes
 from trials.techniques.checkpointing import saved_ops
 from trials.techniques.cross_entropy import is_chunked
 from trials.techniques.fsdp import RESHARD, fsdp_mode, offloads_shards
@@ -268,14 +268,17 @@ def roofline(
     gpu: GpuSpec,
     offloaded_activations: int = 0,
     layer_act_bytes: int | None = None,
-    shape: Shape | None = None,
+    documents: Documents | None = None,
 ) -> Estimate:
     """Fill ``est.step_time_s`` and ``est.tokens_per_s`` (all GPUs) for ``gpu``;
     ``offloaded_activations``: bytes per micro-batch one rank moves to the host and back;
-    ``shape``: a typical micro-batch of variable-length data (only its real tokens count)."""
+    ``documents``: variable-length data, timed at a typical micro-batch (only its real tokens
+    count)."""
     st = stats_of(model_cfg)
     micro = int(config.get("micro_batch_size", global_batch_size))
-    if shape is not None:
+    shape = None
+    if documents is not None:
+        shape = micro_shapes(config, seq_len, global_batch_size, documents, nproc)[1]
         micro, seq_len = shape.rows, shape.length
     if layer_act_bytes is None:
         layer_act_bytes = layer_activation_bytes(st, config, seq_len, micro)

@@ -613,7 +613,6 @@ class TracedEstimator(Estimator):
         host = host_with_activations(states.host, offloaded, nproc, gpu, notes)
         est = Estimate(int(peak), breakdown, method=self.name, notes=notes, host_breakdown=host)
         if gpu is not None:
-            typical = micro_shapes(config, seq_len, global_batch_size, documents, nproc)[1]
             roofline(
                 est,
                 model_config,
@@ -623,7 +622,7 @@ class TracedEstimator(Estimator):
                 nproc,
                 gpu,
                 offloaded,
-                shape=typical if documents is not None else None,
+                documents=documents,
             )
         return est
 
