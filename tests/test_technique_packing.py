@@ -2,8 +2,8 @@
 checked by hand, the packed step's loss and gradients equal to each document trained alone (the
 oracle: one unpadded sequence per forward), a real CPU trial that keeps the padded trial's
 losses at a lower measured peak (the estimator's saving within 10%) on fewer positions, its
-tokens/s counted in real tokens only, the dimension dropped on fixed-length data, and the exports read
-by their consumers."""
+tokens/s counted in real tokens only, the dimension dropped on fixed-length data, and the
+exports read by their consumers."""
 
 from __future__ import annotations
 
@@ -23,10 +23,12 @@ from trials.data import (
     IGNORE_INDEX,
     Documents,
     document_lengths,
-    layout,
     micro_shapes,
     pack,
     step_batches,
+)
+from trials.data import (
+    layout as data_layout,
 )
 from trials.techniques import REGISTRY
 from trials.techniques.base import Run
@@ -185,7 +187,7 @@ def test_a_real_trial_packs_for_less_memory_and_more_tokens(tmp_path: Path) -> N
     # assertion here fails on a loaded machine. What makes it faster is checked instead: the
     # measured steps' forwards run on fewer positions packed than padded (2,387 vs 2,808).
     work = {
-        p: sum(s.positions for s in layout(5, 8, 1, 128, Documents(8, 128), p, 3)[2:])
+        p: sum(s.positions for s in data_layout(5, 8, 1, 128, Documents(8, 128), p, 3)[2:])
         for p in (False, True)
     }
     assert work[True] < 0.9 * work[False]
