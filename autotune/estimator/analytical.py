@@ -156,8 +156,8 @@ class AnalyticalEstimator(Estimator):
             bwd_layers = stream + recompute
         grads_before = grads if accum > 1 else 0
         largest = st.largest_param
-        copies = OPTIMIZERS[str(config.get("optimizer", "adamw"))].step_copies
-        step_temps = copies * 4 * largest if not deepspeed else 0
+        choice = OPTIMIZERS[str(config.get("optimizer", "adamw"))]
+        step_temps = choice.step_temporaries(largest, cuda) if not deepspeed else 0
 
         moments = {
             "end of forward": (grads_before, acts + cache_in_fwd, fwd_logits, 0),

@@ -306,7 +306,7 @@ def model_states(
     if runs_fsdp(config):
         return _fsdp_states(st, config, n, per_host, states, load_copy)
     if stage == 0 and runs_deepspeed(config):
-        return _deepspeed_without_zero(st, config, opt, states, load_copy)
+        return _deepspeed_without_zero(st, config, opt, states, load_copy, cuda)
     if stage == 0:
         grads = 4 * psi
         if n > 1 and not runs_deepspeed(config) and not steps_in_backward(config):
@@ -392,7 +392,7 @@ def model_states(
 
 
 def _deepspeed_without_zero(
-    st: ModelStats, config: dict[str, Any], opt: str, states: int, load_copy: int
+    st: ModelStats, config: dict[str, Any], opt: str, states: int, load_copy: int, cuda: bool
 ) -> ModelStates:
     """DeepSpeed's engine at ``zero_stage`` 0 (deepspeed/runtime/engine.py). In 16 bits it casts
     the model and wraps the optimizer in ``FP16_UnfusedOptimizer`` (``DDP_BFLOAT16``/``FP16``;
@@ -406,7 +406,7 @@ def _deepspeed_without_zero(
     wbytes = 2 if half else 4
     weights = wbytes * psi + (4 * psi if half else 0)
     grads = wbytes * psi
-    temps = OPTIMIZERS[opt].step_copies * 4 * st.largest_param
+    temps = OPTIMIZERS[opt].step_temporaries(st.largest_param, cuda)
     compute = {"parameters": weights, "optimizer_states": states}
     step = {
         "parameters": weights,

@@ -171,13 +171,13 @@ class PhaseTracker(TorchDispatchMode):
 # --- optimizers that cannot step on fake tensors -----------------------------------------------
 
 
-def _adafactor_states(optimizer: torch.optim.Optimizer) -> None:
+def _adafactor_states(optimizer: torch.optim.Optimizer, cuda: bool) -> None:
     """torch's Adafactor calls ``.item()`` in its update; allocate its states as it does."""
     for group in optimizer.param_groups:
         optimizer._init_group(group, [], [], [], [], [], [])  # type: ignore[attr-defined]
 
 
-def _adamw_8bit_states(optimizer: torch.optim.Optimizer) -> None:
+def _adamw_8bit_states(optimizer: torch.optim.Optimizer, cuda: bool) -> None:
     """bitsandbytes AdamW8bit: two uint8 states plus one fp32 absmax per 256-value block for
     tensors of at least 4096 values, fp32 states below that (its ``min_8bit_size``)."""
     for group in optimizer.param_groups:
@@ -199,14 +199,15 @@ def _adamw_8bit_states(optimizer: torch.optim.Optimizer) -> None:
 def _low_bit_states(bits: int) -> Any:
     """torchao's AdamW8bit/4bit: per moment, uint8 codes (``bits`` per value), an fp32 scale
     per block and a code book where ``torchao_quantizes``, fp32 moments elsewhere; and,
-    parameter by parameter, the fp32 temporaries its step makes (``step_copies``)."""
+    parameter by parameter, the temporaries its step makes (eager on the CPU backend,
+    compiled on CUDA: ``OptimizerChoice.step_temporaries``)."""
     block = TORCHAO_BLOCK[bits]
-    copies = OPTIMIZERS[f"adamw_torchao_{bits}bit"].step_copies
+    choice = OPTIMIZERS[f"adamw_torchao_{bits}bit"]
 
-    def allocate(optimizer: torch.optim.Optimizer) -> None:
+    def allocate(optimizer: torch.optim.Optimizer, cuda: bool) -> None:
         for group in optimizer.param_groups:
             for p in group["params"]:
-                temporaries = [torch.empty(p.shape) for _ in range(copies)]
+                temporaries = torch.empty(choice.step_temporaries(p.numel(), cuda) // 4)
                 del temporaries
                 state = optimizer.state[p]
                 if state:
@@ -233,12 +234,12 @@ FAKE_STEP: dict[str, tuple[str, Any]] = {
 }
 
 
-def _step_optimizer(name: str, optimizer: torch.optim.Optimizer) -> None:
+def _step_optimizer(name: str, optimizer: torch.optim.Optimizer, cuda: bool) -> None:
     fake = FAKE_STEP.get(name)
     if fake is None:
         optimizer.step()
     else:
-        fake[1](optimizer)
+        fake[1](optimizer, cuda)
 
 
 # --- what fake tensors can't run as written --------------------------------------------------
@@ -376,7 +377,7 @@ def trace_step(
 
             def step_in_backward(one: torch.optim.Optimizer) -> None:
                 tracker.phase = "optimizer_states"  # its states are made in the first step
-                _step_optimizer(opt_name, one)
+                _step_optimizer(opt_name, one, cuda)
                 tracker.phase = "temporaries"
 
             InBackward(model.parameters(), lambda ps: factory(ps, 1e-3), step=step_in_backward)
@@ -404,7 +405,7 @@ def trace_step(
                 del loss, ids
             if optimizer is not None:  # else stepped in backward, parameter by parameter
                 tracker.phase = "optimizer_states"
-                _step_optimizer(opt_name, optimizer)
+                _step_optimizer(opt_name, optimizer, cuda)
                 optimizer.zero_grad(set_to_none=True)
         del model, optimizer
     parts = {k: max(0, tracker.at_peak.get(k, 0)) for k in PARTS}

@@ -126,20 +126,41 @@ class OptimizerChoice:
     hf_name: str  # TrainingArguments.optim
     state_bytes: StateBytes  # for the estimators (step counters ignored)
     #: fp32 copies of a tensor its step makes at once (the estimators' step temporaries, for
-    #: the largest tensor): torch's single-tensor AdamW 2; torchao's low-bit step run eagerly
-    #: (the CPU backend, where torch.compile can't run under the tracker) 6, measured: its
-    #: dequantized moments, the update and their intermediates. Compiled on CUDA it makes fewer.
-    step_copies: int = 2
+    #: the largest tensor): torch's single-tensor AdamW 2
+    step_copies: float = 2
+    #: the same where the step is compiled (torchao's on CUDA; on the CPU backend it runs
+    #: eagerly under the tracker): None, the same as eager
+    compiled_step_copies: float | None = None
+
+    def step_temporaries(self, numel: int, cuda: bool) -> int:
+        """Bytes of the temporaries its step makes for a tensor of ``numel`` values, on CUDA
+        (``cuda``) or on the CPU backend."""
+        copies = self.step_copies
+        if cuda and self.compiled_step_copies is not None:
+            copies = self.compiled_step_copies
+        return round(copies * 4 * numel)
+
+
+#: bits -> (eager, compiled) fp32 copies of the largest tensor torchao's step makes at once,
+#: measured by the CPU allocator (``CpuMemoryMonitor.allocator_counted``) on one tensor of
+#: 2,097,152 values with its states in place: eager, the dequantized moments, the update, their
+#: intermediates and the new codes (in tiny-llama, whose largest tensor has that size, the
+#: tracker and the allocator agree to the byte: 111,181,832 B for 8 bits); compiled by
+#: inductor (as torchao's ``single_param_adam`` is on CUDA), the two moments in fp32 for 8 bits
+#: and more for 4 bits, whose codes pack two to a byte (16,842,752 and 54,657,024 B)
+TORCHAO_STEP_COPIES = {8: (13.25, 2.0), 4: (13.25, 6.5)}
 
 
 def _torchao_choice(bits: int) -> OptimizerChoice:
     """torchao's ``AdamW{bits}bit`` (transformers' ``adamw_torch_{bits}bit``)."""
+    eager, compiled = TORCHAO_STEP_COPIES[bits]
     return OptimizerChoice(
         _torchao(f"AdamW{bits}bit"),
         lossy=True,
         hf_name=f"adamw_torch_{bits}bit",
         state_bytes=_torchao_bits(bits),
-        step_copies=6,
+        step_copies=eager,
+        compiled_step_copies=compiled,
     )
 
 
