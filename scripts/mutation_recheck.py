@@ -7,20 +7,25 @@ A full ``mutmut run`` takes hours here; the tests written to kill its survivors 
 meet those survivors. Each named mutant is switched on the way mutmut itself does (its
 trampoline reads ``MUTANT_UNDER_TEST`` at every call) and the given test files run in this one
 process (``pytest.main``), from the mutmut work tree (``mutants/``, where the mutated sources
-are), into which the test files are copied first. Prints ``<mutant>: killed|survived`` lines,
-the format of ``mutmut results --all true`` that ``scripts/mutation.py --recheck`` overlays on
-the run's listing. Run with ``OMP_NUM_THREADS=1``.
+are), into which the test files are copied first. Each mutant runs in a process of its own:
+in one process a mutant that breaks the code's clean-up (a patched torch function not
+restored, a dispatch mode left on) failed the tests of every mutant after it, which were then
+counted killed. Prints ``<mutant>: killed|survived`` lines, the format of ``mutmut results
+--all true`` that ``scripts/mutation.py --recheck`` overlays on the run's listing. Run with
+``OMP_NUM_THREADS=1``.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
+
+NO_TESTS_COLLECTED = 5  # pytest.ExitCode.NO_TESTS_COLLECTED
+PYTEST = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-W", "ignore"]
 
 
 def main() -> int:
@@ -29,19 +34,19 @@ def main() -> int:
     parser.add_argument("--survivors", type=Path, required=True, help="one mutant name a line")
     parser.add_argument("--tests", type=Path, nargs="+", required=True)
     args = parser.parse_args()
-    import pytest  # after argparse: --help needs no torch
-
     names = [line.strip() for line in args.survivors.read_text().splitlines() if line.strip()]
     for test in args.tests:
         shutil.copy(test, args.mutants / "tests" / test.name)
-    os.chdir(args.mutants)
-    sys.path.insert(0, str(Path.cwd()))
     tests = [f"tests/{t.name}" for t in args.tests]
     for name in names:
-        os.environ["MUTANT_UNDER_TEST"] = name
-        with contextlib.redirect_stdout(io.StringIO()):
-            code = pytest.main(["-q", "-x", "-p", "no:cacheprovider", "-W", "ignore", *tests])
-        if code == pytest.ExitCode.NO_TESTS_COLLECTED:
+        code = subprocess.run(
+            [*PYTEST, *tests],
+            cwd=args.mutants,
+            env={**os.environ, "MUTANT_UNDER_TEST": name, "PYTHONPATH": "."},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        ).returncode
+        if code == NO_TESTS_COLLECTED:
             raise SystemExit(f"no tests collected from {tests}")
         print(f"    {name}: {'survived' if code == 0 else 'killed'}", flush=True)
     return 0

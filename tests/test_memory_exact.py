@@ -138,7 +138,7 @@ def test_storage_resize_shrinks_and_grows_the_count() -> None:
         s = t.untyped_storage()
         s.resize_(0)
         assert mon.live_bytes == 0
-        s.resize_(F500)
+        assert s.resize_(F500) is s  # what torch's own resize_ returns: the storage
         assert mon.live_bytes == F500
         s.resize_(F2000)
         assert mon.live_bytes == F2000
@@ -329,6 +329,60 @@ def test_the_peak_holds_host_births_moved_to_the_device_at_once() -> None:
         d = torch.empty(100)
         mon.mark_device(h)
     del d, h
+
+
+def test_the_peak_is_where_the_device_held_most_once_host_bytes_are_taken_out() -> None:
+    """By hand: 4,000 B, then 2,000 more (later marked host), then 40 more: the device held
+    4,000, 4,000 and 4,040 B, so the peak is 4,040 B, at the third allocation."""
+    with CpuMemoryMonitor(None) as mon:
+        a = torch.empty(1000)
+        h = torch.empty(500)
+        b = torch.empty(10)
+        mon.mark_host(h)
+    assert mon.peak_bytes == F1000 + F10
+    del a, h, b
+
+
+def test_the_peak_can_be_the_first_allocation() -> None:
+    """4,000 B allocated and freed, then 40 B marked host: the peak is the first entry."""
+    with CpuMemoryMonitor(None) as mon:
+        a = torch.empty(1000)
+        del a
+        b = torch.empty(10)
+        mon.mark_host(b)
+    assert mon.peak_bytes == F1000
+    del b
+
+
+def test_mark_device_adds_its_bytes_over_the_span_they_lived() -> None:
+    """By hand: 400 B on the device, 4,000 B born as host memory, 2,000 B on the device and
+    freed, then the 4,000 B handed to the device: they were there from birth, so the device
+    held 400 + 4,000 + 2,000 = 6,400 B at the 2,000 B allocation."""
+    with CpuMemoryMonitor(None) as mon:
+        d = torch.empty(100)
+        with mon.host_allocations():
+            h = torch.empty(1000)
+        e = torch.empty(500)
+        del e
+        mon.mark_device(h)
+        assert mon.live_bytes == F100 + F1000
+    assert mon.peak_bytes == F100 + F1000 + F500
+    del d, h
+
+
+def test_mark_host_skips_untracked_and_already_host_storages_and_goes_on() -> None:
+    """A tensor made while paused is not tracked: marking it host changes nothing, and the
+    tensors after it in the same call are still marked; marking one twice moves it once."""
+    with CpuMemoryMonitor(None) as mon:
+        with mon.pause():
+            untracked = torch.empty(1000)
+        t = torch.empty(500)
+        mon.mark_host(untracked, t)
+        assert mon.live_bytes == 0
+        mon.mark_host(t)
+        assert mon.live_bytes == 0
+        assert mon.host_offloaded_bytes == F500
+    del untracked, t
 
 
 def test_two_host_births_moved_to_the_device_together() -> None:
@@ -639,3 +693,23 @@ def test_torchaos_eager_step_is_counted_as_the_allocator_counts_it() -> None:
         before = mon.live_bytes
         optimizer.step()
     assert mon.peak_bytes - before == oracle > 13 * 4 * p.numel()
+
+
+def test_the_allocator_count_by_hand() -> None:
+    """``allocator_counted`` (a compiled trial's steps): the live bytes at its start (400 B,
+    tracked) plus the most the allocator's events add up to inside, in their order: 4,000 and
+    2,000 B allocated, the 4,000 freed, 40 allocated: peak 6,400 B, 2,440 B live after."""
+    with CpuMemoryMonitor(None) as mon:
+        keep = torch.empty(100)
+        with mon.allocator_counted():
+            a = torch.empty(1000)
+            b = torch.empty(500)
+            del a
+            c = torch.empty(10)
+        assert mon.live_bytes == F100 + F500 + F10
+    assert mon.peak_bytes == F100 + F1000 + F500
+    # bytes, not storages: no roles for the training peak; construction's are the tracker's
+    assert mon.breakdown() == {}
+    assert mon.breakdown(construction=True) == _roles(other=F100)
+    del keep, b, c
+
