@@ -712,4 +712,3 @@ def test_the_allocator_count_by_hand() -> None:
     assert mon.breakdown() == {}
     assert mon.breakdown(construction=True) == _roles(other=F100)
     del keep, b, c
-
