@@ -22,6 +22,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 NO_TESTS_COLLECTED = 5  # pytest.ExitCode.NO_TESTS_COLLECTED
@@ -38,17 +39,37 @@ def main() -> int:
     for test in args.tests:
         shutil.copy(test, args.mutants / "tests" / test.name)
     tests = [f"tests/{t.name}" for t in args.tests]
+
+    def run(name: str, timeout_s: float | None) -> int | None:
+        """pytest's exit code with mutant ``name`` switched on (None: out of time)."""
+        try:
+            return subprocess.run(
+                [*PYTEST, *tests],
+                cwd=args.mutants,
+                env={**os.environ, "MUTANT_UNDER_TEST": name, "PYTHONPATH": "."},
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                timeout=timeout_s,
+            ).returncode
+        except subprocess.TimeoutExpired:
+            return None
+
+    # the unmutated code first (no mutant has this name): it must pass, or every mutant would
+    # read as killed; a mutant given ten times its time (at least a minute) is a timeout
+    start = time.monotonic()
+    baseline = run("none__mutmut_0", None)
+    if baseline != 0:
+        raise SystemExit(f"the tests fail without a mutant (exit {baseline}): {tests}")
+    limit = max(60.0, 10 * (time.monotonic() - start))
     for name in names:
-        code = subprocess.run(
-            [*PYTEST, *tests],
-            cwd=args.mutants,
-            env={**os.environ, "MUTANT_UNDER_TEST": name, "PYTHONPATH": "."},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        ).returncode
+        code = run(name, limit)
         if code == NO_TESTS_COLLECTED:
             raise SystemExit(f"no tests collected from {tests}")
-        print(f"    {name}: {'survived' if code == 0 else 'killed'}", flush=True)
+        # 1: a test failed; 2: collection failed (a mutated module that doesn't import)
+        status = "timeout" if code is None else "survived" if code == 0 else "killed"
+        if code is not None and code not in (0, 1, 2):
+            raise SystemExit(f"{name}: pytest exited {code} (an internal or usage error)")
+        print(f"    {name}: {status}", flush=True)
     return 0
 
 

@@ -144,7 +144,8 @@ def test_compiled_blocks_beside_torchaos_optimizer_as_predicted(
         results[compiled], predicted = measured_and_predicted(spec, tmp_path / str(compiled))
         assert results[compiled].peak_bytes == pytest.approx(predicted, rel=0.001)
     assert results[True].losses == pytest.approx(results[False].losses, rel=1e-5)
-    assert results[True].compile_s > 0 == results[False].compile_s
+    assert results[True].compile_s > 0
+    assert results[False].compile_s == 0
 
 
 def test_the_space_keeps_compile_to_the_torch_engine() -> None:

@@ -313,9 +313,9 @@ class CpuMemoryMonitor(MemoryMonitor):
         self._timeline.append(self._live)
 
     def _counted(self, key: int) -> int | None:
-        """The bytes a tracked device storage is counted at now (None: resized away, or not a
-        tracked device storage): its size at birth or at its last resize seen. A resize while
-        paused is not seen, so this is not always the storage's size."""
+        """The bytes a tracked device storage is counted at now: its size at birth or at its
+        last resize seen (0 once resized away; a resize while paused is not seen, so this is
+        not always the storage's size). None: the ledger has no record of it."""
         return self._resized_to.get(key, self._ledger.nbytes(key))
 
     def _release(self, key: int, nbytes: int) -> None:
@@ -500,7 +500,7 @@ class CpuMemoryMonitor(MemoryMonitor):
         from torch.profiler import ProfilerActivity, profile
 
         @contextlib.contextmanager
-        def _counted() -> Any:
+        def _by_allocator() -> Any:
             start = self._live
             with (
                 self.pause(),
@@ -511,10 +511,12 @@ class CpuMemoryMonitor(MemoryMonitor):
             for nbytes in allocator_events(prof):
                 running += nbytes
                 top = max(top, running)
-            # frees of tracked storages inside were counted by both: the allocator's events
-            # alone say what changed
+            # the profiler reports no free of a block allocated before it started: tracked
+            # storages freed inside left the count by the tracker's own release (the peak
+            # inside is then counted as if they lived to the end: high, never low)
+            released = start - self._live
             self._timeline.append(start + top)
-            self._live = start + running
+            self._live = start - released + running
             self._timeline.append(self._live)
             self._peak = max(self._peak, start + top)
             self._opaque = True
@@ -524,7 +526,7 @@ class CpuMemoryMonitor(MemoryMonitor):
                     f"CPU allocator: out of memory: peak {start + top} bytes, budget {budget} bytes"
                 )
 
-        return _counted()
+        return _by_allocator()
 
     def tag(self, role: str, *tensors: torch.Tensor | None) -> None:
         held = (inner for outer in tensors if outer is not None for inner in plain_tensors(outer))

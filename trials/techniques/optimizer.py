@@ -127,7 +127,7 @@ class OptimizerChoice:
     state_bytes: StateBytes  # for the estimators (step counters ignored)
     #: fp32 copies of a tensor its step makes at once (the estimators' step temporaries, for
     #: the largest tensor): torch's single-tensor AdamW 2
-    step_copies: float = 2
+    step_copies: float = 2.0
     #: the same where the step is compiled (torchao's on CUDA; on the CPU backend it runs
     #: eagerly under the tracker): None, the same as eager
     compiled_step_copies: float | None = None
