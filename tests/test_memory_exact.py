@@ -725,4 +725,3 @@ def test_a_tracked_storage_freed_under_the_allocators_count_leaves_it() -> None:
             y = torch.empty(10)
         assert mon.live_bytes == F10
         del y
-

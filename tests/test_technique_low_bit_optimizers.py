@@ -139,4 +139,3 @@ def test_a_gpu_prediction_counts_the_compiled_step() -> None:
     cpu = analytical.estimate(TINY, config, **kw)
     gpu = analytical.estimate(TINY, config, gpu=GPUS["a100-80gb"], **kw)
     assert cpu.breakdown["temporaries"] - gpu.breakdown["temporaries"] == 45 * 2_097_152
-
