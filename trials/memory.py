@@ -512,11 +512,11 @@ class CpuMemoryMonitor(MemoryMonitor):
                 running += nbytes
                 top = max(top, running)
             # the profiler reports no free of a block allocated before it started: tracked
-            # storages freed inside left the count by the tracker's own release (the peak
-            # inside is then counted as if they lived to the end: high, never low)
-            released = start - self._live
+            # storages freed inside left the count by the tracker's own release, and the
+            # allocator's events add what changed besides (the peak inside is counted as if
+            # those storages lived to the end: high, never low)
             self._timeline.append(start + top)
-            self._live = start - released + running
+            self._live += running
             self._timeline.append(self._live)
             self._peak = max(self._peak, start + top)
             self._opaque = True
