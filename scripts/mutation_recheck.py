@@ -5,9 +5,9 @@
 
 A full ``mutmut run`` takes hours here; the tests written to kill its survivors only need to
 meet those survivors. Each named mutant is switched on the way mutmut itself does (its
-trampoline reads ``MUTANT_UNDER_TEST`` at every call) and the given test files run in this one
-process (``pytest.main``), from the mutmut work tree (``mutants/``, where the mutated sources
-are), into which the test files are copied first. Each mutant runs in a process of its own:
+trampoline reads ``MUTANT_UNDER_TEST`` at every call) and the given test files run with pytest
+from the mutmut work tree (``mutants/``, where the mutated sources are), into which the test
+files are copied first. Each mutant runs in a process of its own:
 in one process a mutant that breaks the code's clean-up (a patched torch function not
 restored, a dispatch mode left on) failed the tests of every mutant after it, which were then
 counted killed. Prints ``<mutant>: killed|survived`` lines, the format of ``mutmut results
@@ -66,9 +66,9 @@ def main() -> int:
         if code == NO_TESTS_COLLECTED:
             raise SystemExit(f"no tests collected from {tests}")
         # 1: a test failed; 2: collection failed (a mutated module that doesn't import)
-        status = "timeout" if code is None else "survived" if code == 0 else "killed"
         if code is not None and code not in (0, 1, 2):
             raise SystemExit(f"{name}: pytest exited {code} (an internal or usage error)")
+        status = "timeout" if code is None else "survived" if code == 0 else "killed"
         print(f"    {name}: {status}", flush=True)
     return 0
 
