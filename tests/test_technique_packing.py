@@ -186,15 +186,17 @@ def test_a_real_trial_packs_for_less_memory_on_fewer_positions(tmp_path: Path) -
     # the speed itself is the ladder's to measure (``autotune ladder``, README): a timed
     # assertion here fails on a loaded machine. What makes it faster is checked instead: the
     # measured steps' forwards run on fewer positions packed than padded (2,387 vs 2,808).
+    s = specs[True]  # both trials: the same steps, documents and seed
+    assert s.config["micro_batch_size"] == s.global_batch_size == 8  # one micro-batch a step
+    measured = range(s.warmup_steps, s.warmup_steps + s.measured_steps)  # steps 2-4
+    documents = Documents(*s.documents)
     work = {}
-    for p, s in specs.items():
-        first, end = s.warmup_steps, s.warmup_steps + s.measured_steps
-        assert s.config["micro_batch_size"] == s.global_batch_size == 8  # one micro-batch a step
-        shapes = data_layout(end, 8, 1, s.seq_len, Documents(*s.documents), p, s.seed)
-        work[p] = sum(shape.positions for shape in shapes[first:])
+    for p in (False, True):
+        shapes = data_layout(measured.stop, 8, 1, s.seq_len, documents, p, s.seed)
+        work[p] = sum(shape.positions for shape in shapes[measured.start :])
     assert work[True] < 0.9 * work[False]
-    # real tokens: the measured steps' documents (steps 2-4), per step on average
-    real = [sum(document_lengths(s, 8, Documents(8, 128), 128, 3)) for s in (2, 3, 4)]
+    # real tokens: the measured steps' documents, per step on average
+    real = [sum(document_lengths(step, 8, documents, s.seq_len, s.seed)) for step in measured]
     for r in (padded, packed_):
         assert r.tokens_per_s * r.step_time_s == pytest.approx(round(sum(real) / 3), rel=1e-6)
 
