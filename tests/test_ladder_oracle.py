@@ -256,3 +256,23 @@ def test_missing_rungs_are_the_first_undecided_ones() -> None:
     ladder = build_ladder(study, SPACE, target)
     assert ladder.missing == [{**BASELINE, "precision": "bf16"}]
     assert not ladder.complete
+
+
+def test_a_rung_exactly_at_the_budget_fits() -> None:
+    """By hand: the baseline peaks exactly at the budget, so it fits and the next rung is the
+    fastest candidate that fits: bf16 (2000 tokens/s), itself exactly at the budget, over
+    checkpointing (1000 tokens/s, the smaller peak)."""
+    study = memory_study("at-budget", BUDGET)
+    target = {**BASELINE, "gradient_checkpointing": "full", "precision": "bf16"}
+    add_record(study, BASELINE, fidelity="exact", peak=BUDGET, tps=900.0, role="ladder")
+    ckpt = {**BASELINE, "gradient_checkpointing": "full"}
+    add_record(study, ckpt, fidelity="exact", peak=150 * MB, tps=1000.0, role="ladder")
+    bf16 = {**BASELINE, "precision": "bf16"}
+    add_record(study, bf16, fidelity="mixed", peak=BUDGET, tps=2000.0, role="ladder")
+    add_record(study, target, fidelity="mixed", peak=120 * MB, tps=1500.0, role="ladder")
+    ladder = build_ladder(study, SPACE, target)
+    assert [s.techniques for s in ladder.steps] == [
+        (),
+        ("precision",),
+        ("precision", "gradient_checkpointing"),
+    ]
