@@ -50,3 +50,9 @@ test-slow: $(VENV)/.installed services
 
 mutation: $(VENV)/.installed
 	$(PY) scripts/mutation.py
+
+# the hand-written semantic mutants (scripts/semantic_mutants.py) against their modules' fast
+# tests, each in a temporary copy of the tree; docs/MUTATION.md gives the last result
+.PHONY: semantic-mutation
+semantic-mutation: $(VENV)/.installed
+	$(PY) scripts/semantic_mutation.py

@@ -8,9 +8,9 @@ wrong one (a decision inverted, two quantities swapped, the wrong quantity fed).
 mutant its file is rewritten there, the mutant's own test files run with pytest in a fresh
 process (``-p no:xdist -x -q``, imports from the copy), and the file restored. The working tree
 is never written. The unmutated copy runs every named test file first: it must pass, or every
-mutant would read as killed. Prints ``<name>: killed|survived (<seconds>)`` a line and the
-score; exits 1 when a mutant survived, 2 when a snippet is not found exactly once or the
-unmutated tests fail.
+mutant would read as killed. Prints a line per mutant (``<name>: killed by <the first failing
+test>`` or ``<name>: survived``, with its seconds) and the score; exits 1 when a mutant
+survived, 2 when a snippet is not found exactly once or the unmutated tests fail.
 """
 
 from __future__ import annotations
@@ -63,17 +63,27 @@ def copy_tree(dest: Path) -> None:
         shutil.copy2(src, dest / rel)
 
 
-def pytest_rc(tree: Path, tests: list[str], log: Path | None = None) -> int:
+def pytest_run(tree: Path, tests: list[str]) -> tuple[int, str]:
+    """pytest's exit code and output, importing from ``tree``."""
     env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONDONTWRITEBYTECODE": "1"}
     env.setdefault("OMP_NUM_THREADS", "1")
-    out = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115
-    try:
-        return subprocess.run(
-            [*PYTEST, *tests], cwd=tree, env=env, stdout=out, stderr=subprocess.STDOUT
-        ).returncode
-    finally:
-        if log:
-            out.close()  # type: ignore[union-attr]
+    ran = subprocess.run(
+        [*PYTEST, "-rfE", *tests],
+        cwd=tree,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    return ran.returncode, ran.stdout
+
+
+def first_failure(output: str) -> str:
+    """The test that killed a mutant, from pytest's short summary."""
+    for line in output.splitlines():
+        if line.startswith(("FAILED ", "ERROR ")):
+            return line.split(" - ")[0].split(" ", 1)[1]
+    return "collection or import error"
 
 
 def check(mutants: list[Mutant], tree: Path) -> list[str]:
@@ -110,9 +120,9 @@ def main() -> int:
             print("\n".join(bad), file=sys.stderr)
             return 2
         every_test = sorted({t for m in chosen for t in m.tests})
-        log = tree / "unmutated.log"
-        if pytest_rc(tree, every_test, log) != 0:
-            print(log.read_text()[-4000:], file=sys.stderr)
+        rc, output = pytest_run(tree, every_test)
+        if rc != 0:
+            print(output[-4000:], file=sys.stderr)
             print("the unmutated tree fails its tests: no mutant can be judged", file=sys.stderr)
             return 2
         print(f"unmutated: {len(every_test)} test files pass ({time.monotonic() - start:.0f} s)")
@@ -123,7 +133,7 @@ def main() -> int:
             path.write_text(original.replace(m.original, m.mutated, 1))
             t0 = time.monotonic()
             try:
-                rc = pytest_rc(tree, list(m.tests))
+                rc, output = pytest_run(tree, list(m.tests))
             finally:
                 path.write_text(original)
             # pytest: 1 = a test failed; 2-4 = collection or usage error (the mutant broke the
@@ -134,8 +144,10 @@ def main() -> int:
             killed = rc != 0
             if not killed:
                 survived.append(m.name)
+            by = f" by {first_failure(output)}" if killed else ""
             print(
-                f"{m.name}: {'killed' if killed else 'survived'} ({time.monotonic() - t0:.0f} s)",
+                f"{m.name}: {'killed' if killed else 'survived'}{by} "
+                f"({time.monotonic() - t0:.0f} s)",
                 flush=True,
             )
     total = len(chosen)

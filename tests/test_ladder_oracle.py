@@ -68,11 +68,11 @@ def _key(config: dict[str, Any]) -> str:
 
 
 def _random_study(seed: int) -> optuna.Study:
-    """One or two records per configuration of the space. Peaks are distinct, from half to
+    """One to three records per configuration of the space. Peaks are distinct, from half to
     one and a half times the budget; speeds distinct. Out-of-memory records are ladder trials
-    (run without the budget: a true peak) or, as a second record, one stopped by the budget (a
+    (run without the budget: a true peak) or, as another record, one stopped by the budget (a
     peak that is not the true one, to be ignored); some configurations only have a prediction,
-    a copy, or a failure."""
+    a failure, or a measurement and its copy; some measured ones a prediction besides."""
     rng = random.Random(seed)
     study = memory_study(f"ladder-{seed}", BUDGET)
     grid = SPACE.grid()
@@ -109,6 +109,18 @@ def _random_study(seed: int) -> optuna.Study:
             )
             continue
         add_record(study, config, fidelity=fidelity, status=status, peak=peak, tps=tps, **extra)
+        if kind in ("ok", "ladder-oom") and rng.random() < 0.3:
+            # a prediction of a configuration also measured: the measurement stands for it
+            other = peaks[2 * i + 1]
+            add_record(
+                study,
+                config,
+                fidelity=fidelity,
+                status="ok" if other <= BUDGET else "oom",
+                peak=other,
+                tps=float(speeds[2 * i + 1]),
+                predicted=True,
+            )
     return study
 
 

@@ -125,6 +125,15 @@ def test_ties_go_to_fewer_techniques_then_lower_stage_then_fewer_offloads() -> N
     assert decide(rows)[0].number == z2  # type: ignore[union-attr]
 
 
+def test_fewer_techniques_before_a_lower_stage() -> None:
+    """By hand: ZeRO-1 alone (1 technique, stage 1) against checkpointing with eager attention
+    (2 techniques, stage 0), 1% apart: ZeRO-1 is the simpler."""
+    study = _study()
+    z1 = _exact(study, ZERO1, tps=1000.0)
+    _exact(study, {**CKPT, "attention": "eager"}, tps=1010.0)
+    assert select(study).winner.number == z1  # type: ignore[union-attr]
+
+
 def test_among_equally_simple_ties_the_faster_wins() -> None:
     study = _study()
     _exact(study, ZERO1, tps=1000.0)
