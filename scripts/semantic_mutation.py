@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -111,6 +112,8 @@ def main() -> int:
         for m in chosen:
             print(f"{m.name} [{m.file}]: {m.bug}")
         return 0
+    # stopped (kill): leave through the clean-up below, the temporary tree removed
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="semantic-mutants-") as tmp:
         tree = Path(tmp)
