@@ -230,6 +230,15 @@ MUTANTS: list[Mutant] = [
         "a technique's saving alone is measured from the rung below instead of the baseline",
         LADDER,
     ),
+    Mutant(
+        "ladder-asks-for-every-rung",
+        "autotune/ladder.py",
+        "if unmeasured and decided_up_to_here:",
+        "if unmeasured:",
+        "the next round measures candidates of rungs above the first undecided one, which may "
+        "never be climbed",
+        LADDER,
+    ),
     # --- finalists (more) -----------------------------------------------------------------------
     Mutant(
         "finalists-lone-winner-remeasured",
