@@ -1,6 +1,6 @@
 """Run the semantic mutation set (``scripts/semantic_mutants.py``) against the fast tests.
 
-    PYTHONPATH=$PWD .venv/bin/python scripts/semantic_mutation.py [--only NAME ...] [--list]
+    .venv/bin/python scripts/semantic_mutation.py [--only NAME ...] [--list]
 
 Each mutant is one plausible bug written by hand: a snippet of a source file replaced by a
 wrong one (a decision inverted, two quantities swapped, the wrong quantity fed). The tree
