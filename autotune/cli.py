@@ -58,6 +58,7 @@ from autotune.lossguard import Prober, ProbeSettings
 from autotune.masking import mask_url, url_secrets
 from autotune.models import resolve_model
 from autotune.runner import TrialRunner
+from autotune.safe_files import database_files, write_folder
 from autotune.selector import select, selection_json
 from autotune.space import SearchSpace
 from autotune.storage import open_storage
@@ -94,6 +95,8 @@ console = make_console()
 err_console = make_console(stderr=True)
 #: a study name is a folder name for its trial jobs (255 bytes at most) and Optuna keeps 512
 MAX_STUDY_NAME = 200
+#: in a report folder: the files ``report`` wrote there (it replaces only those without --force)
+REPORT_MANIFEST = ".autotune-report.json"
 #: numpy's and torch's seeds are 32-bit
 MAX_SEED = 2**32 - 1
 
@@ -124,6 +127,12 @@ trial_timeout_option = click.option(
     default=600.0,
     show_default=True,
     help="Seconds before a trial job is killed and marked failed.",
+)
+force_option = click.option(
+    "--force",
+    is_flag=True,
+    help="Replace files (or a symbolic link) at the output's names that autotune did not "
+    "write; never the study's database.",
 )
 timeout_option = click.option(
     "--timeout",
@@ -915,7 +924,8 @@ def show(study_name: str | None, storage: str, as_json: bool) -> None:
     show_default=True,
     help="Folder for pareto.png, memory.png, report.md and report.html.",
 )
-def report(study_name: str | None, storage: str, out: Path) -> None:
+@force_option
+def report(study_name: str | None, storage: str, out: Path, force: bool) -> None:
     """Write the Pareto plot, the memory breakdown and the ablation ladder (runs nothing)."""
     from autotune.report import write_report  # matplotlib: only for this command
 
@@ -923,7 +933,13 @@ def report(study_name: str | None, storage: str, out: Path) -> None:
         raise UserError(f"cannot write {out}: folder {out.parent} does not exist")
     study = load_existing(open_storage(storage, read_only=True), study_name)
     with _writing(out):
-        written = write_report(study, out)
+        written = write_folder(
+            out,
+            lambda stage: write_report(study, stage),
+            force,
+            REPORT_MANIFEST,
+            database_files(storage),
+        ).moved_to(out)
     console.print(ladder_table(ladder_cells(written.ladder), written.ladder.budget_bytes))
     if not written.ladder.complete and written.ladder.target is not None:
         click.echo(
@@ -942,16 +958,17 @@ def report(study_name: str | None, storage: str, out: Path) -> None:
 @click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path))
 @click.option(
     "--lr",
-    type=click.FloatRange(min=0, min_open=True),
+    type=FiniteFloat(min=0, min_open=True),
     default=None,
     help="Learning rate to write (not tuned by the study; default: left to your trainer).",
 )
 @click.option(
     "--weight-decay",
-    type=click.FloatRange(min=0),
+    type=FiniteFloat(min=0),
     default=None,
     help="Weight decay to write (not tuned by the study; default: left to your trainer).",
 )
+@force_option
 def export_cmd(
     study_name: str | None,
     storage: str,
@@ -959,6 +976,7 @@ def export_cmd(
     out: Path,
     lr: float | None,
     weight_decay: float | None,
+    force: bool,
 ) -> None:
     """Write the winner as a DeepSpeed, Hugging Face, accelerate, axolotl config or a command."""
     if fmt not in EXPORTERS:
@@ -974,7 +992,15 @@ def export_cmd(
         )
     settings = settings_of(study)
     with _writing(out):
-        path = export(fmt, sel.winner.config, settings, out, UserSettings(lr, weight_decay))
+        path = export(
+            fmt,
+            sel.winner.config,
+            settings,
+            out,
+            UserSettings(lr, weight_decay),
+            force=force,
+            protected=database_files(storage),
+        )
     console.print(f"wrote {fmt} config of trial {sel.winner.number} to {path}", markup=False)
     if settings.backend == "cpu":
         console.print(measured_on(settings), style="yellow", markup=False)

@@ -74,6 +74,21 @@ class Report:
     html: Path
     ladder: Ladder
 
+    def moved_to(self, folder: Path) -> Report:
+        """The same report once its files are in ``folder`` (written in a staging folder)."""
+
+        def moved(p: Path | None) -> Path | None:
+            return None if p is None else folder / p.name
+
+        return Report(
+            folder,
+            folder / self.pareto_png.name,
+            moved(self.memory_png),
+            folder / self.markdown.name,
+            folder / self.html.name,
+            self.ladder,
+        )
+
 
 def device_parts(breakdown: dict[str, int] | None) -> dict[str, int]:
     """A trial's breakdown as the device parts of ``PARTS`` (host memory left out)."""

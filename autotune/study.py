@@ -14,7 +14,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from autotune.errors import UserError
 from autotune.lossguard import Prober, judge
 from autotune.runner import TrialRunner
 from autotune.space import SearchSpace
+from autotune.terminal import printable
 from trials.data import Documents
 from trials.spec import TrialResult, TrialSpec, tracked_steps
 from trials.techniques import fidelity_class
@@ -219,18 +220,46 @@ def load_existing(storage: RDBStorage, name: str | None) -> optuna.Study:
         # private ``_study_id``)
         name = max((s.study_name for s in summaries), key=storage.get_study_id_from_name)
     elif name not in {s.study_name for s in summaries}:
-        known = ", ".join(s.study_name for s in summaries)
-        raise UserError(f"no study named '{name}' (studies here: {known})")
+        known = ", ".join(printable(s.study_name) for s in summaries)
+        raise UserError(f"no study named '{printable(name)}' (studies here: {known})")
     study = optuna.load_study(study_name=name, storage=storage)
     if _settings_attr(study) is None:
-        raise UserError(f"study '{name}' was not made by autotune")
+        raise UserError(f"study '{printable(name)}' was not made by autotune")
     return study
 
 
+#: the stored type of each setting (its annotation): what another tool wrote is checked
+_SETTING_TYPES: dict[str, tuple[type, ...]] = {
+    "str": (str,),
+    "int": (int,),
+    "float": (int, float),
+    "dict[str, Any]": (dict,),
+    "list[int] | None": (list, type(None)),
+}
+
+
 def settings_of(study: optuna.Study) -> StudySettings:
+    """The study's stored settings; settings another tool wrote in another shape are one
+    clear error, not a ``TypeError`` deep inside a command."""
     attrs = _settings_attr(study)
-    assert attrs is not None
-    return StudySettings.from_attrs(attrs)
+    name = printable(study.study_name)
+    if not isinstance(attrs, dict):
+        raise UserError(f"study '{name}': its settings are not autotune's (written by another "
+                        "tool?); run a new study")  # fmt: skip
+    for f in fields(StudySettings):
+        kinds = _SETTING_TYPES.get(str(f.type))
+        value = attrs.get(f.name)
+        if f.name not in attrs or kinds is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            raise UserError(
+                f"study '{name}': its stored setting {f.name} is {printable(repr(value))[:80]}"
+                f", not a {f.type}: written by another tool? run a new study"
+            )
+    try:
+        return StudySettings.from_attrs(attrs)
+    except (TypeError, ValueError) as exc:
+        raise UserError(f"study '{name}': its settings are not autotune's: {exc}") from None
 
 
 # --- loss reference --------------------------------------------------------------------------

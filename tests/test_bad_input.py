@@ -294,9 +294,26 @@ CASES: list[Case] = [
     Case("export folder missing",
          ["export", "--study", STUDY, "--format", "deepspeed", "--out", "no/such/dir/ds.json"],
          "does not exist"),
-    Case("export to a full disk",
+    Case("export onto a device",
          ["export", "--study", FITTED, "--format", "deepspeed", "--out", "/dev/full"],
-         "cannot write /dev/full: No space left on device", code=1),
+         "cannot write /dev/full: not a regular file"),
+    Case("export onto a FIFO",
+         ["export", "--study", FITTED, "--format", "deepspeed", "--out", "pipe.json"],
+         "not a regular file"),
+    Case("export onto the study's database",
+         ["export", "--study", FITTED, "--format", "hf", "--out", "autotune.db", "--force"],
+         "the study's own database"),
+    Case("export onto a file it did not write",
+         ["export", "--study", FITTED, "--format", "deepspeed", "--out", "broken.json"],
+         "autotune did not write it"),
+    Case("export lr inf",
+         ["export", "--study", FITTED, "--format", "hf", "--out", "x.json", "--lr", "inf"],
+         "'--lr'"),
+    Case("export lr nan",
+         ["export", "--study", FITTED, "--format", "hf", "--out", "x.json", "--lr", "nan"],
+         "'--lr'"),
+    Case("export weight decay inf", ["export", "--study", FITTED, "--format", "hf", "--out",
+         "x.json", "--weight-decay", "Infinity"], "'--weight-decay'"),
     Case("export onto a folder",
          ["export", "--study", FITTED, "--format", "deepspeed", "--out", "folder.json"],
          "is a directory"),
@@ -371,6 +388,7 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (path / "binary.json").write_bytes(bytes(range(256)))
     (path / "list.json").write_text("[1, 2]")
     (path / "folder.json").mkdir()
+    os.mkfifo(path / "pipe.json")
     short = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64,
              "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2,
              "max_position_embeddings": 32}  # fmt: skip
