@@ -10,6 +10,7 @@ from typing import Any
 import click
 
 from autotune.masking import mask_text
+from autotune.terminal import printable
 
 
 class UserError(click.ClickException):
@@ -63,7 +64,7 @@ class OneLineGroup(click.Group):
             code = super().main(args, prog_name, complete_var, False, **extra)
         except click.ClickException as exc:
             # every message passes the masking: a password it quotes is never printed
-            message = mask_text(" ".join(exc.format_message().split()))
+            message = printable(mask_text(" ".join(exc.format_message().split())))
             hint = " (see --help)" if isinstance(exc, click.UsageError) else ""
             click.echo(f"Error: {message}{hint}", err=True)
             sys.exit(exc.exit_code)

@@ -253,7 +253,8 @@ def settings_of(study: optuna.Study) -> StudySettings:
             continue
         if isinstance(value, bool) or not isinstance(value, kinds):
             raise UserError(
-                f"study '{name}': its stored setting {f.name} is {printable(repr(value))[:80]}"
+                f"study '{name}': in its stored settings, {f.name} is "
+                f"{printable(repr(value))[:80]}"
                 f", not a {f.type}: written by another tool? run a new study"
             )
     try:
