@@ -38,7 +38,7 @@ from autotune.estimate_backend import (
     runner_for,
     target_gpu,
 )
-from autotune.estimate_cli import banner, confirm_winner, estimate_cmd
+from autotune.estimate_cli import MAX_BATCH, MAX_SEQ_LEN, banner, confirm_winner, estimate_cmd
 from autotune.estimator.exhaustive import ClassBest
 from autotune.estimator.gpus import gpu_spec
 from autotune.export import EXPORTERS, UserSettings, export, measured_on
@@ -56,7 +56,7 @@ from autotune.launchers import (
 )
 from autotune.lossguard import Prober, ProbeSettings
 from autotune.masking import mask_url, url_secrets
-from autotune.models import resolve_model
+from autotune.models import check_seq_len, resolve_model
 from autotune.runner import TrialRunner
 from autotune.safe_files import database_files, write_folder
 from autotune.selector import select, selection_json
@@ -459,8 +459,8 @@ def next_commands(
 )
 @trial_timeout_option
 @timeout_option
-@click.option("--seq-len", type=click.IntRange(min=8), default=None)
-@click.option("--global-batch-size", type=click.IntRange(min=1, max=2**20), default=None)
+@click.option("--seq-len", type=click.IntRange(min=8, max=MAX_SEQ_LEN), default=None)
+@click.option("--global-batch-size", type=click.IntRange(min=1, max=MAX_BATCH), default=None)
 @click.option(
     "--documents",
     default=None,
@@ -553,7 +553,7 @@ def run(
         _check_study_name(study_name)
     host_limit = parse_size(host_memory) if host_memory else None
     entry = resolve_model(model)
-    _check_seq_len(seq_len, entry.config, entry.name)
+    check_seq_len(seq_len, entry.config, entry.name)
     docs = _documents(documents, seq_len or entry.seq_len)
     space = SearchSpace.load(space_path)
     hardware = Hardware.detect(None if backend in ("auto", "estimate") else backend)
@@ -699,22 +699,14 @@ def _documents(text: str | None, seq_len: int) -> Documents | None:
         docs = Documents.parse(text)
     except ValueError as exc:
         raise UserError(f"--documents: {exc}") from None
+    if docs.longest > MAX_SEQ_LEN:
+        raise UserError(f"--documents {printable(text)}: documents of more than "
+                        f"{MAX_SEQ_LEN:,} tokens (docs/LIMITS.md)")  # fmt: skip
     if docs.shortest > seq_len:
         raise UserError(
             f"--documents {text}: the shortest document is longer than the sequence ({seq_len})"
         )
     return docs
-
-
-def _check_seq_len(seq_len: int | None, config: dict[str, Any], model: str) -> None:
-    """A sequence longer than the model's position table: transformers would index past it
-    (an error mid-trial on CUDA, garbage rotary positions for some models)."""
-    limit = config.get("max_position_embeddings") or config.get("n_positions")
-    if seq_len is not None and isinstance(limit, int) and 0 < limit < seq_len:
-        raise UserError(
-            f"--seq-len {seq_len} is longer than {model}'s max_position_embeddings ({limit}); "
-            f"use at most {limit}"
-        )
 
 
 def _climb(study: optuna.Study, trial_timeout: float, storage_url: str) -> None:

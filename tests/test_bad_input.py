@@ -82,6 +82,9 @@ SPACES: dict[str, str | bytes] = {
     "reference_unknown.yaml": "dimensions:\n  precision: {choices: [fp32]}\nreference: {zz: 1}\n",
     "estimate_config_dup.yaml": "precision: bf16\nprecision: fp32\n",
     "estimate_config_unknown.yaml": "colour: blue\n",
+    "estimate_config_micro0.yaml": "micro_batch_size: 0\n",
+    "estimate_config_micro3.yaml": "micro_batch_size: 3\n",
+    "estimate_config_nested.yaml": "precision: {bf16: [1]}\n",
 }
 
 
@@ -350,6 +353,45 @@ CASES: list[Case] = [
     Case("estimate config unknown dimension",
          ["estimate", *TINY, "--budget", "24GB", "--config", "estimate_config_unknown.yaml"],
          "unknown dimension 'colour'"),
+    Case("model of 10^12 layers", ["estimate", "--model", "layers.json", "--budget", "24GB"],
+         "num_hidden_layers 1,000,000,000,000 is more than 1,024"),
+    Case("model of width 2^40", ["run", "--model", "wide.json", "--budget", "1GB"],
+         "hidden_size"),
+    Case("model vocabulary of 10^9", ["estimate", "--model", "vocab.json", "--budget", "24GB"],
+         "vocab_size"),
+    Case("kv heads not dividing the heads",
+         ["estimate", "--model", "kv_heads.json", "--budget", "24GB"],
+         "num_key_value_heads 3 does not divide num_attention_heads 4"),
+    Case("max_position_embeddings zero",
+         ["run", "--model", "positions0.json", "--budget", "1GB"],
+         "max_position_embeddings must be a positive integer"),
+    Case("model config nested 100,000 deep",
+         ["estimate", "--model", "nested.json", "--budget", "24GB"], "nested deeper than 32"),
+    Case("model config nested 40 deep", ["run", "--model", "nested40.json", "--budget", "1GB"],
+         "nested deeper than 32"),
+    Case("budget in full-width digits", ["run", *TINY, "--budget", "\uff11\uff10GB"],
+         "invalid budget"),
+    Case("estimate budget in Arabic-Indic digits",
+         ["estimate", *TINY, "--budget", "\u0661\u0660GB"], "invalid budget"),
+    Case("estimate nproc 10^9", ["estimate", *TINY, "--budget", "24GB", "--nproc",
+         "1000000000"], "'--nproc'"),
+    Case("run nproc 10^9", [*RUN_1GB, "--nproc", "1000000000"], "'--nproc'"),
+    Case("estimate global batch 10^21", ["estimate", *TINY, "--budget", "24GB",
+         "--global-batch-size", str(10**21)], "'--global-batch-size'"),
+    Case("estimate seq-len beyond the model's positions",
+         ["estimate", *TINY, "--budget", "24GB", "--seq-len", "4096"],
+         "max_position_embeddings (1024)"),
+    Case("documents longer than any sequence",
+         [*RUN_1GB, "--documents", "2:99999999999999999999999"], "--documents"),
+    Case("estimate config micro-batch zero",
+         ["estimate", *TINY, "--budget", "24GB", "--config", "estimate_config_micro0.yaml"],
+         "micro_batch_size 0"),
+    Case("estimate config micro-batch not dividing the batch",
+         ["estimate", *TINY, "--budget", "24GB", "--config", "estimate_config_micro3.yaml"],
+         "does not divide"),
+    Case("estimate config nested value",
+         ["estimate", *TINY, "--budget", "24GB", "--config", "estimate_config_nested.yaml"],
+         "not one choice"),
     Case("estimate top zero", ["estimate", *TINY, "--budget", "24GB", "--top", "0"], "'--top'"),
 ]  # fmt: skip
 
@@ -411,6 +453,14 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
         json.dumps({k: v for k, v in short.items() if k != "hidden_size"})
     )
     (path / "unknown.json").write_text(json.dumps({**short, "model_type": "nonesuch"}))
+    (path / "layers.json").write_text(json.dumps({**short, "num_hidden_layers": 10**12}))
+    (path / "wide.json").write_text(json.dumps({**short, "hidden_size": 2**40}))
+    (path / "vocab.json").write_text(json.dumps({**short, "vocab_size": 10**9}))
+    (path / "kv_heads.json").write_text(json.dumps({**short, "num_attention_heads": 4,
+                                                     "num_key_value_heads": 3}))  # fmt: skip
+    (path / "positions0.json").write_text(json.dumps({**short, "max_position_embeddings": 0}))
+    (path / "nested.json").write_text("[" * 100_000 + "]" * 100_000)
+    (path / "nested40.json").write_text(json.dumps({**short, "x": json.loads("[" * 40 + "]" * 40)}))
     (path / "not_a_db.db").write_text("plain text, not SQLite\n" * 100)
     return path
 
