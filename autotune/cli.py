@@ -582,6 +582,16 @@ def run(
             "trials on this machine; use a GPU (--backend cuda), --backend estimate, or a "
             "small model"
         )
+    if (
+        gpu is not None
+        and gpu_target is None
+        and not (hardware.backend == "cuda" and launcher == "slurm")
+    ):
+        raise UserError(
+            f"--gpu {printable(gpu)} names the GPU that --backend estimate predicts for (or the "
+            f"Slurm nodes' GPU); these trials run on this machine's {hardware.backend.upper()}"
+            ", which --gpu does not change: drop --gpu, or add --backend estimate"
+        )
     per_node = _per_node(nodes, nproc, gpus, nproc_per_node, gpus_per_node, hardware, gpu_target)
     launcher_settings = (
         {"name": "local"}

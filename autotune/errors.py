@@ -43,6 +43,32 @@ def _is_storage_error(exc: BaseException) -> bool:
     return isinstance(exc, (sqlalchemy.exc.SQLAlchemyError, optuna.exceptions.StorageInternalError))
 
 
+#: what SQLite says of a damaged file, anywhere in an error's chain
+_CORRUPT = ("database disk image is malformed", "file is not a database", "file is encrypted")
+
+
+def corrupt_database(exc: BaseException) -> str:
+    """SQLite's words when ``exc`` (or an error it came from: Optuna's own "an exception is
+    raised during the commit" wraps it) says the database file is damaged; '' otherwise."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        text = str(current).lower()
+        for words in _CORRUPT:
+            if words in text:
+                return words
+        current = current.__cause__ or current.__context__
+    return ""
+
+
+def corrupt_message(where: str, words: str) -> str:
+    return (
+        f"{where}: the database file is damaged (SQLite: {words}); restore it from a backup "
+        "or use another database"
+    )
+
+
 class OneLineGroup(click.Group):
     """A command group whose errors, click's usage errors too, are one line on stderr.
 
@@ -83,6 +109,10 @@ class OneLineGroup(click.Group):
         except Exception as exc:
             if not _is_storage_error(exc):
                 raise
+            damaged = corrupt_database(exc)
+            if damaged:
+                click.echo(f"Error: {corrupt_message('the study', damaged)}", err=True)
+                sys.exit(UserError.exit_code)
             lines = str(exc).strip().splitlines() or [type(exc).__name__]
             click.echo(f"Error: the study's storage failed: {mask_text(lines[0])[:300]}", err=True)
             sys.exit(1)

@@ -369,6 +369,37 @@ def find_duplicate(
     return None
 
 
+#: seconds between looks at an earlier trial that measures the same configuration
+SAME_CONFIG_POLL_S = 1.0
+#: seconds an earlier RUNNING trial may take to record its configuration (it does so right
+#: after it starts); one that never does is not waited for
+DECLARE_WAIT_S = 60.0
+
+
+def wait_for_earlier_same(study: optuna.Study, number: int, config: dict[str, Any]) -> None:
+    """Wait while an earlier trial (a lower number) measures ``config`` right now: two
+    controllers started together may draw the same configuration (the queued reference twice,
+    the same plan); the later one then reuses the earlier one's result (``find_duplicate``)
+    instead of measuring it at the same time. An earlier trial always runs and never waits for
+    a later one, so no two wait on each other; a later trial first waits (a bounded time) for
+    every earlier RUNNING trial to record its configuration, so none is missed. An earlier
+    trial whose controller died is failed by the heartbeat sweep, which ends the wait."""
+    started = time.monotonic()
+    while True:
+        earlier = [
+            t
+            for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+            if t.number < number
+        ]
+        undeclared = time.monotonic() - started < DECLARE_WAIT_S and any(
+            "config" not in t.user_attrs for t in earlier
+        )
+        if not undeclared and not any(t.user_attrs.get("config") == config for t in earlier):
+            return
+        time.sleep(SAME_CONFIG_POLL_S)
+        optuna.storages.fail_stale_trials(study)
+
+
 _RESULT_ATTRS = (
     "status",
     "peak_bytes",
@@ -499,6 +530,8 @@ class Objective:
         is_reference = role == "reference"
         # the reference and ladder steps run without the budget: their peak is the true one
         unbounded = role in UNBOUNDED_ROLES
+        if not is_reference:
+            wait_for_earlier_same(self.study, trial.number, config)
         earlier = (
             None if is_reference else find_duplicate(self.study, config, need_true_peak=unbounded)
         )

@@ -324,6 +324,19 @@ CASES: list[Case] = [
          "does not exist"),
     Case("report onto a file", ["report", "--study", STUDY, "--out", "broken.json"],
          "is a file"),
+    Case("gpu with the cpu backend", [*RUN_1GB, "--backend", "cpu", "--gpu", "h100"],
+         "which --gpu does not change"),
+    Case("gpu with a model the auto backend runs on the cpu", [*RUN_1GB, "--gpu", "h100"],
+         "add --backend estimate"),
+    Case("storage read-only for a run", [*RUN_1GB, "--storage", "sqlite:///autotune.db?mode=ro"],
+         "asks for a read-only database"),
+    Case("storage immutable for a worker", ["worker", "--study", STUDY, "--storage",
+         "sqlite:///autotune.db?immutable=1"], "asks for a read-only database"),
+    Case("show of a damaged database", ["show", "--storage", "sqlite:///damaged.db"],
+         "the database file is damaged (SQLite: database disk image is malformed)"),
+    Case("run on a damaged database",
+         [*RUN_1GB, "--storage", "sqlite:///damaged.db", "--backend", "cpu"],
+         "the database file is damaged"),
     # --- Slurm options: what reaches a job script ----------------------------------------------
     Case("partition with a newline", [*RUN_1GB, "--launcher", "slurm", "--partition",
          "debug\ntouch pwned"], "--partition 'debug\\ntouch pwned': not a Slurm partition"),
@@ -462,6 +475,10 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (path / "nested.json").write_text("[" * 100_000 + "]" * 100_000)
     (path / "nested40.json").write_text(json.dumps({**short, "x": json.loads("[" * 40 + "]" * 40)}))
     (path / "not_a_db.db").write_text("plain text, not SQLite\n" * 100)
+    make_study(f"sqlite:///{path / 'damaged.db'}", STUDY, SMALL_SPACE, "1GB")
+    with open(path / "damaged.db", "r+b") as f:  # pages past the header overwritten
+        f.seek(8192)
+        f.write(b"\xff" * 8192)
     return path
 
 

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +17,11 @@ import pytest
 from click.testing import CliRunner, Result
 
 from autotune.cli import main
-from tests.test_hardening import _fitted
+from autotune.space import SearchSpace
+from autotune.study import settings_of
+from tests.conftest import SMALL_SPACE
+from tests.studies import make_study
+from tests.test_hardening import ROOT, _fitted
 
 
 def _cli(*args: str) -> Result:
@@ -118,3 +126,49 @@ def test_names_with_terminal_sequences_reach_no_terminal(in_tmp: Path) -> None:
     for name in ("report.md", "report.html"):
         assert "evil\\x1b]52" in (in_tmp / "r" / name).read_text()
         assert "\x1b" not in (in_tmp / "r" / name).read_text()
+
+
+# --- two controllers started together ---------------------------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore:Heartbeat of storage:UserWarning")
+def test_a_controller_waits_for_another_measuring_the_same_configuration(
+    tmp_path: Path,
+) -> None:
+    """Another controller (this test's process) is measuring configuration X as trial 0; a
+    worker (a second real process) then draws X too (queued, as a second reference or the
+    same plan would be). It waits while trial 0 runs and reuses its result; it measures
+    nothing, and no job folder is made for its trial."""
+    url = f"sqlite:///{tmp_path / 'autotune.db'}"
+    study = make_study(url, "together", SMALL_SPACE, "1GB")
+    space = SearchSpace.from_dict(settings_of(study).space, "study")
+    config = space.reference_config()
+    running = study.ask()  # trial 0: RUNNING, its configuration recorded as the objective does
+    running.set_user_attr("config", config)
+    study.enqueue_trial(space.params_for(config))  # trial 1: what the worker draws
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "autotune.cli", "worker", "--study", "together", "--trials", "1",
+         "--storage", url], cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )  # fmt: skip
+    deadline = time.monotonic() + 300
+    while True:  # the worker's trial 1 has started and recorded X
+        t1 = next(t for t in study.get_trials() if t.number == 1)
+        if t1.state.name == "RUNNING" and "config" in t1.user_attrs:
+            break
+        assert worker.poll() is None, worker.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    time.sleep(3)  # the worker would measure now if it did not wait
+    assert [t.state.name for t in study.get_trials()] == ["RUNNING", "RUNNING"]
+    for key, value in {"status": "ok", "peak_bytes": 140 * 2**20, "tokens_per_s": 1234.0,
+                       "losses": [9.0, 8.9, 8.8, 8.7]}.items():  # fmt: skip
+        running.set_user_attr(key, value)
+    study.tell(running, [1234.0, 140.0])
+    out, err = worker.communicate(timeout=300)
+    assert worker.returncode == 0, out + err
+    reused = next(t for t in study.get_trials() if t.number == 1)
+    assert reused.state.name == "COMPLETE" and reused.user_attrs["duplicate_of"] == 0
+    assert reused.user_attrs["tokens_per_s"] == 1234.0
+    assert not list(tmp_path.rglob("trial-1*"))  # no job ran for it
