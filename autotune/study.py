@@ -257,6 +257,14 @@ def settings_of(study: optuna.Study) -> StudySettings:
                 f"{printable(repr(value))[:80]}"
                 f", not a {f.type}: written by another tool? run a new study"
             )
+    from autotune.models import SIZE_LIMITS  # transformers only when a config is built
+
+    config = attrs.get("model_config") or {}
+    for key, limit in SIZE_LIMITS.items():
+        value = config.get(key)
+        if isinstance(value, int) and value > limit:
+            raise UserError(f"study '{name}': its stored settings' model config has {key} "
+                            f"{value:,}, more than {limit:,} (docs/LIMITS.md)")  # fmt: skip
     try:
         return StudySettings.from_attrs(attrs)
     except (TypeError, ValueError) as exc:

@@ -78,8 +78,16 @@ def test_a_trial_written_by_another_tool_is_a_flagged_failure(
 
 @pytest.mark.parametrize(
     "settings",
-    ["junk", 42, ["a"], {"model": 5}, {"budget_bytes": "1GB"}, {"space": "all"}],
-    ids=["text", "number", "list", "model number", "budget text", "space text"],
+    [
+        "junk",
+        42,
+        ["a"],
+        {"model": 5},
+        {"budget_bytes": "1GB"},
+        {"space": "all"},
+        {"model_config": {"num_hidden_layers": 10**12, "vocab_size": 256}},
+    ],
+    ids=["text", "number", "list", "model number", "budget text", "space text", "layers"],
 )
 def test_junk_settings_are_one_line_for_every_command(settings: Any, in_tmp: Path) -> None:
     study = _fitted(f"sqlite:///{in_tmp / 'autotune.db'}")
