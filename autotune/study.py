@@ -712,4 +712,6 @@ def workdir_for(study: optuna.Study, root: Path = Path("autotune_runs")) -> Path
         folder_id = uuid.uuid4().hex[:12]
         study.set_user_attr(FOLDER_ID_ATTR, folder_id)
     safe = re.sub(r"[^A-Za-z0-9._-]+", "_", study.study_name)
-    return root / f"{safe}-{folder_id}"
+    # the id as stored: another tool may have written a path ("../..") or a newline there
+    safe_id = re.sub(r"[^A-Za-z0-9]+", "_", str(folder_id))
+    return root / f"{safe}-{safe_id}"

@@ -148,3 +148,18 @@ def test_a_failed_report_leaves_no_folder(fitted: Path) -> None:
     study.set_user_attr("settings", "junk written by another tool")
     _one_line(_cli("report", "--out", "r"), "settings")
     assert sorted(p.name for p in fitted.parent.iterdir()) == ["autotune.db"]
+
+
+def test_the_trial_folder_stays_under_the_runs_folder_whatever_the_study_stored(
+    tmp_path: Path,
+) -> None:
+    from autotune.study import FOLDER_ID_ATTR, workdir_for
+    from tests.conftest import SMALL_SPACE
+    from tests.studies import make_study
+
+    study = make_study(f"sqlite:///{tmp_path / 'autotune.db'}", "../../up\nx", SMALL_SPACE)
+    study.set_user_attr(FOLDER_ID_ATTR, "/../../../etc\n#SBATCH --wrap=x")
+    root = tmp_path / "autotune_runs"
+    folder = workdir_for(study, root)
+    assert folder.parent == root and folder.name.isprintable() and "/" not in folder.name
+    assert os.path.realpath(folder).startswith(str(root) + os.sep)
