@@ -38,7 +38,7 @@ from autotune.estimate_backend import (
     runner_for,
     target_gpu,
 )
-from autotune.estimate_cli import banner, confirm_winner, estimate_cmd
+from autotune.estimate_cli import MAX_BATCH, MAX_SEQ_LEN, banner, confirm_winner, estimate_cmd
 from autotune.estimator.exhaustive import ClassBest
 from autotune.estimator.gpus import gpu_spec
 from autotune.export import EXPORTERS, UserSettings, export, measured_on
@@ -56,8 +56,9 @@ from autotune.launchers import (
 )
 from autotune.lossguard import Prober, ProbeSettings
 from autotune.masking import mask_url, url_secrets
-from autotune.models import resolve_model
+from autotune.models import check_seq_len, resolve_model
 from autotune.runner import TrialRunner
+from autotune.safe_files import database_files, write_folder
 from autotune.selector import select, selection_json
 from autotune.space import SearchSpace
 from autotune.storage import open_storage
@@ -94,6 +95,8 @@ console = make_console()
 err_console = make_console(stderr=True)
 #: a study name is a folder name for its trial jobs (255 bytes at most) and Optuna keeps 512
 MAX_STUDY_NAME = 200
+#: in a report folder: the files ``report`` wrote there (it replaces only those without --force)
+REPORT_MANIFEST = ".autotune-report.json"
 #: numpy's and torch's seeds are 32-bit
 MAX_SEED = 2**32 - 1
 
@@ -124,6 +127,12 @@ trial_timeout_option = click.option(
     default=600.0,
     show_default=True,
     help="Seconds before a trial job is killed and marked failed.",
+)
+force_option = click.option(
+    "--force",
+    is_flag=True,
+    help="Replace files (or a symbolic link) at the output's names that autotune did not "
+    "write; never the study's database.",
 )
 timeout_option = click.option(
     "--timeout",
@@ -450,8 +459,8 @@ def next_commands(
 )
 @trial_timeout_option
 @timeout_option
-@click.option("--seq-len", type=click.IntRange(min=8), default=None)
-@click.option("--global-batch-size", type=click.IntRange(min=1, max=2**20), default=None)
+@click.option("--seq-len", type=click.IntRange(min=8, max=MAX_SEQ_LEN), default=None)
+@click.option("--global-batch-size", type=click.IntRange(min=1, max=MAX_BATCH), default=None)
 @click.option(
     "--documents",
     default=None,
@@ -544,7 +553,7 @@ def run(
         _check_study_name(study_name)
     host_limit = parse_size(host_memory) if host_memory else None
     entry = resolve_model(model)
-    _check_seq_len(seq_len, entry.config, entry.name)
+    check_seq_len(seq_len, entry.config, entry.name)
     docs = _documents(documents, seq_len or entry.seq_len)
     space = SearchSpace.load(space_path)
     hardware = Hardware.detect(None if backend in ("auto", "estimate") else backend)
@@ -572,6 +581,16 @@ def run(
             f"{entry.name} has {entry.n_params / 1e9:.1f}B parameters: too big for real CPU "
             "trials on this machine; use a GPU (--backend cuda), --backend estimate, or a "
             "small model"
+        )
+    if (
+        gpu is not None
+        and gpu_target is None
+        and not (hardware.backend == "cuda" and launcher == "slurm")
+    ):
+        raise UserError(
+            f"--gpu {printable(gpu)} names the GPU that --backend estimate predicts for (or the "
+            f"Slurm nodes' GPU); these trials run on this machine's {hardware.backend.upper()}"
+            ", which --gpu does not change: drop --gpu, or add --backend estimate"
         )
     per_node = _per_node(nodes, nproc, gpus, nproc_per_node, gpus_per_node, hardware, gpu_target)
     launcher_settings = (
@@ -690,22 +709,14 @@ def _documents(text: str | None, seq_len: int) -> Documents | None:
         docs = Documents.parse(text)
     except ValueError as exc:
         raise UserError(f"--documents: {exc}") from None
+    if docs.longest > MAX_SEQ_LEN:
+        raise UserError(f"--documents {printable(text)}: documents of more than "
+                        f"{MAX_SEQ_LEN:,} tokens (docs/LIMITS.md)")  # fmt: skip
     if docs.shortest > seq_len:
         raise UserError(
             f"--documents {text}: the shortest document is longer than the sequence ({seq_len})"
         )
     return docs
-
-
-def _check_seq_len(seq_len: int | None, config: dict[str, Any], model: str) -> None:
-    """A sequence longer than the model's position table: transformers would index past it
-    (an error mid-trial on CUDA, garbage rotary positions for some models)."""
-    limit = config.get("max_position_embeddings") or config.get("n_positions")
-    if seq_len is not None and isinstance(limit, int) and 0 < limit < seq_len:
-        raise UserError(
-            f"--seq-len {seq_len} is longer than {model}'s max_position_embeddings ({limit}); "
-            f"use at most {limit}"
-        )
 
 
 def _climb(study: optuna.Study, trial_timeout: float, storage_url: str) -> None:
@@ -915,7 +926,8 @@ def show(study_name: str | None, storage: str, as_json: bool) -> None:
     show_default=True,
     help="Folder for pareto.png, memory.png, report.md and report.html.",
 )
-def report(study_name: str | None, storage: str, out: Path) -> None:
+@force_option
+def report(study_name: str | None, storage: str, out: Path, force: bool) -> None:
     """Write the Pareto plot, the memory breakdown and the ablation ladder (runs nothing)."""
     from autotune.report import write_report  # matplotlib: only for this command
 
@@ -923,7 +935,13 @@ def report(study_name: str | None, storage: str, out: Path) -> None:
         raise UserError(f"cannot write {out}: folder {out.parent} does not exist")
     study = load_existing(open_storage(storage, read_only=True), study_name)
     with _writing(out):
-        written = write_report(study, out)
+        written = write_folder(
+            out,
+            lambda stage: write_report(study, stage),
+            force,
+            REPORT_MANIFEST,
+            database_files(storage),
+        ).moved_to(out)
     console.print(ladder_table(ladder_cells(written.ladder), written.ladder.budget_bytes))
     if not written.ladder.complete and written.ladder.target is not None:
         click.echo(
@@ -942,16 +960,17 @@ def report(study_name: str | None, storage: str, out: Path) -> None:
 @click.option("--out", required=True, type=click.Path(dir_okay=False, path_type=Path))
 @click.option(
     "--lr",
-    type=click.FloatRange(min=0, min_open=True),
+    type=FiniteFloat(min=0, min_open=True),
     default=None,
     help="Learning rate to write (not tuned by the study; default: left to your trainer).",
 )
 @click.option(
     "--weight-decay",
-    type=click.FloatRange(min=0),
+    type=FiniteFloat(min=0),
     default=None,
     help="Weight decay to write (not tuned by the study; default: left to your trainer).",
 )
+@force_option
 def export_cmd(
     study_name: str | None,
     storage: str,
@@ -959,6 +978,7 @@ def export_cmd(
     out: Path,
     lr: float | None,
     weight_decay: float | None,
+    force: bool,
 ) -> None:
     """Write the winner as a DeepSpeed, Hugging Face, accelerate, axolotl config or a command."""
     if fmt not in EXPORTERS:
@@ -974,7 +994,15 @@ def export_cmd(
         )
     settings = settings_of(study)
     with _writing(out):
-        path = export(fmt, sel.winner.config, settings, out, UserSettings(lr, weight_decay))
+        path = export(
+            fmt,
+            sel.winner.config,
+            settings,
+            out,
+            UserSettings(lr, weight_decay),
+            force=force,
+            protected=database_files(storage),
+        )
     console.print(f"wrote {fmt} config of trial {sel.winner.number} to {path}", markup=False)
     if settings.backend == "cpu":
         console.print(measured_on(settings), style="yellow", markup=False)

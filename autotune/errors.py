@@ -10,6 +10,7 @@ from typing import Any
 import click
 
 from autotune.masking import mask_text
+from autotune.terminal import printable
 
 
 class UserError(click.ClickException):
@@ -42,6 +43,32 @@ def _is_storage_error(exc: BaseException) -> bool:
     return isinstance(exc, (sqlalchemy.exc.SQLAlchemyError, optuna.exceptions.StorageInternalError))
 
 
+#: what SQLite says of a damaged file, anywhere in an error's chain
+_CORRUPT = ("database disk image is malformed", "file is not a database", "file is encrypted")
+
+
+def corrupt_database(exc: BaseException) -> str:
+    """SQLite's words when ``exc`` (or an error it came from: Optuna's own "an exception is
+    raised during the commit" wraps it) says the database file is damaged; '' otherwise."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        text = str(current).lower()
+        for words in _CORRUPT:
+            if words in text:
+                return words
+        current = current.__cause__ or current.__context__
+    return ""
+
+
+def corrupt_message(where: str, words: str) -> str:
+    return (
+        f"{where}: the database file is damaged (SQLite: {words}); restore it from a backup "
+        "or use another database"
+    )
+
+
 class OneLineGroup(click.Group):
     """A command group whose errors, click's usage errors too, are one line on stderr.
 
@@ -63,7 +90,7 @@ class OneLineGroup(click.Group):
             code = super().main(args, prog_name, complete_var, False, **extra)
         except click.ClickException as exc:
             # every message passes the masking: a password it quotes is never printed
-            message = mask_text(" ".join(exc.format_message().split()))
+            message = printable(mask_text(" ".join(exc.format_message().split())))
             hint = " (see --help)" if isinstance(exc, click.UsageError) else ""
             click.echo(f"Error: {message}{hint}", err=True)
             sys.exit(exc.exit_code)
@@ -82,6 +109,10 @@ class OneLineGroup(click.Group):
         except Exception as exc:
             if not _is_storage_error(exc):
                 raise
+            damaged = corrupt_database(exc)
+            if damaged:
+                click.echo(f"Error: {corrupt_message('the study', damaged)}", err=True)
+                sys.exit(UserError.exit_code)
             lines = str(exc).strip().splitlines() or [type(exc).__name__]
             click.echo(f"Error: the study's storage failed: {mask_text(lines[0])[:300]}", err=True)
             sys.exit(1)

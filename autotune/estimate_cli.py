@@ -27,8 +27,9 @@ from autotune.estimator.exhaustive import ClassBest, best_per_class, headline, s
 from autotune.estimator.gpus import GPUS, GpuSpec
 from autotune.estimator.speed import MODEL_ERROR
 from autotune.estimator.traced import TracedEstimator
-from autotune.models import resolve_model
+from autotune.models import check_seq_len, resolve_model
 from autotune.study import StudySettings
+from autotune.terminal import make_console, printable
 from autotune.units import format_size, parse_size
 from autotune.yaml_limits import load_yaml
 
@@ -65,6 +66,11 @@ def breakdown_table(rows: list[tuple[str, Estimate]], budget: int, title: str) -
 
 
 #: the parts of the host memory prediction, as ``states.model_states`` names them
+#: limits of one input (docs/LIMITS.md): GPUs of one plan, tokens of one sequence or
+#: document, sequences of one global batch
+MAX_GPUS = 131_072
+MAX_SEQ_LEN = 4_194_304
+MAX_BATCH = 2**20
 HOST_PARTS = ("offloaded states", "model copy at load", "pinned buffers and slack")
 
 
@@ -129,12 +135,28 @@ def confirm_winner(
         console.print(f"[dim]{note}[/dim]")
 
 
-def _load_config(path: str) -> dict[str, Any]:
+def _load_config(path: str, global_batch_size: int) -> dict[str, Any]:
+    """One configuration: each value a plain choice; the micro-batch divides the batch (per
+    process), as a trial requires."""
     data = load_yaml(Path(path), "config")
     if not isinstance(data, dict):
         raise UserError(f"config file {path} must be a mapping of dimension: choice")
     if isinstance(data.get("config"), dict):  # a trial exported by `autotune show --json`
         data = data["config"]
+    for key, value in data.items():
+        if not isinstance(value, str | int | float | bool) or value is None:
+            raise UserError(f"config: {printable(str(key))} is {type(value).__name__}, "
+                            "not one choice")  # fmt: skip
+    micro = data.get("micro_batch_size")
+    if micro is not None:
+        if isinstance(micro, bool) or not isinstance(micro, int) or micro < 1:
+            raise UserError(f"config: micro_batch_size {printable(repr(micro))}: a whole "
+                            "number >= 1")  # fmt: skip
+        if global_batch_size % micro:
+            raise UserError(
+                f"config: micro_batch_size {micro} does not divide the global batch "
+                f"{global_batch_size} (per process); choose a divisor or --global-batch-size"
+            )
     return data
 
 
@@ -145,7 +167,7 @@ def _load_config(path: str) -> dict[str, Any]:
     "--gpu", default=None, help=f"Target GPU (default: by budget). One of: {', '.join(GPUS)}."
 )
 @click.option("--config", "config_path", default=None, help="YAML/JSON file of one configuration.")
-@click.option("--nproc", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--nproc", type=click.IntRange(min=1, max=MAX_GPUS), default=1, show_default=True)
 @click.option(
     "--nodes",
     type=click.IntRange(min=1, max=1024),
@@ -153,8 +175,8 @@ def _load_config(path: str) -> dict[str, Any]:
     show_default=True,
     help="Nodes the --nproc GPUs span (ZeRO's collectives then cross the nodes' network).",
 )
-@click.option("--seq-len", type=click.IntRange(min=8), default=None)
-@click.option("--global-batch-size", type=click.IntRange(min=1), default=None)
+@click.option("--seq-len", type=click.IntRange(min=8, max=MAX_SEQ_LEN), default=None)
+@click.option("--global-batch-size", type=click.IntRange(min=1, max=MAX_BATCH), default=None)
 @click.option(
     "--host-memory",
     default=None,
@@ -184,10 +206,12 @@ def estimate_cmd(
 
     from autotune.display import describe
 
-    console = Console(width=110)
+    console = make_console()
+    console.width = 110
     budget_bytes = parse_size(budget)
     host_bytes = host_budget(host_memory, "estimate")
     entry = resolve_model(model)
+    check_seq_len(seq_len, entry.config, entry.name)
     if nproc % nodes:
         raise UserError(f"--nproc {nproc} GPUs do not split evenly over --nodes {nodes}")
     spec = target_gpu(gpu, budget_bytes)
@@ -201,7 +225,7 @@ def estimate_cmd(
     }
     analytical, traced = AnalyticalEstimator(), TracedEstimator()
     if config_path:
-        config = _load_config(config_path)
+        config = _load_config(config_path, kw["global_batch_size"])
         space = estimate_space()
         known = {d.name for d in space.dimensions}
         unknown = sorted(set(config) - known)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import shlex
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,14 @@ from typing import Any
 import yaml
 
 from autotune.errors import UserError
+from autotune.safe_files import (
+    check_targets,
+    manifest_entry,
+    nothing_left,
+    read_manifest,
+    sha256,
+    write_atomic,
+)
 from autotune.study import StudySettings
 from autotune.terminal import printable
 from trials import zero
@@ -207,7 +215,7 @@ def _side_deepspeed(
     if not runs_deepspeed(config):
         return None
     ds_file = out.with_name(out.stem + ".deepspeed.json")
-    ds_file.write_text(_json(deepspeed_config(config, settings, user)))
+    write_atomic(ds_file, _json(deepspeed_config(config, settings, user)))
     return str(ds_file)
 
 
@@ -301,7 +309,7 @@ def launch_command(
     if ds_path is not None:
         return ["deepspeed", "--num_gpus", str(settings.nproc), script, *train_args]
     acc_file = out.with_name(out.stem + ".accelerate.yaml")
-    acc_file.write_text(yaml.safe_dump(accelerate_config(config, settings), sort_keys=False))
+    write_atomic(acc_file, yaml.safe_dump(accelerate_config(config, settings), sort_keys=False))
     return ["accelerate", "launch", "--config_file", str(acc_file), script, *train_args]
 
 
@@ -329,14 +337,31 @@ EXPORTERS: dict[str, Exporter] = {
 }
 
 
+def targets(fmt: str, config: dict[str, Any], out: Path) -> list[Path]:
+    """Every file ``export`` writes for this format and winner: ``out``, the DeepSpeed JSON or
+    accelerate YAML it names, and the companion ``<stem>.autotune.json``."""
+    paths = [out]
+    if runs_deepspeed(config) and fmt != "deepspeed":
+        paths.append(out.with_name(out.stem + ".deepspeed.json"))
+    if fmt == "command" and not runs_deepspeed(config):
+        paths.append(out.with_name(out.stem + ".accelerate.yaml"))
+    return [*paths, _companion_path(out)]
+
+
 def export(
     fmt: str,
     config: dict[str, Any],
     settings: StudySettings,
     out: Path,
     user: UserSettings = UserSettings(),
+    force: bool = False,
+    protected: Sequence[Path] = (),
 ) -> Path:
-    """Write ``out`` (and the files it names, and ``<stem>.autotune.json``) for the winner."""
+    """Write ``out`` (and the files it names, and ``<stem>.autotune.json``) for the winner.
+
+    Every file is checked before any is written (``safe_files.check_targets``: not the study's
+    database in ``protected``, not a file autotune did not write unless ``force``) and written
+    atomically; the companion records what was written, so a second export may replace it."""
     if fmt not in EXPORTERS:
         raise UserError(f"unknown export format '{fmt}' (known: {', '.join(EXPORTERS)})")
     if fmt == "deepspeed" and (runs_fsdp(config) or steps_in_backward(config)):
@@ -347,9 +372,17 @@ def export(
         )
     if not out.parent.exists():
         raise UserError(f"cannot write {out}: folder {out.parent} does not exist")
-    text = EXPORTERS[fmt].render(config, settings, out, user)
-    out.write_text(text)
-    side = out.with_name(out.stem + ".deepspeed.json")
-    ds_path = str(out if fmt == "deepspeed" else side) if runs_deepspeed(config) else None
-    _companion_path(out).write_text(_json(companion(config, settings, ds_path)))
+    companion_path = _companion_path(out)
+    paths = targets(fmt, config, out)
+    check_targets(paths, companion_path, force, protected)
+    recorded = read_manifest(companion_path) or {}
+    with nothing_left(paths):
+        text = EXPORTERS[fmt].render(config, settings, out, user)
+        recorded[out.name] = write_atomic(out, text)
+        for side in paths[1:-1]:  # written by the renderer
+            recorded[side.name] = sha256(side.read_bytes())
+        side = out.with_name(out.stem + ".deepspeed.json")
+        ds_path = str(out if fmt == "deepspeed" else side) if runs_deepspeed(config) else None
+        doc = {**companion(config, settings, ds_path), **manifest_entry(recorded)}
+        write_atomic(companion_path, _json(doc))
     return out

@@ -26,6 +26,7 @@ from autotune.errors import UserError
 from autotune.selector import Row, rows_of, select
 from autotune.space import Choice, SearchSpace
 from autotune.study import UNBOUNDED_ROLES, settings_of
+from autotune.terminal import shell_line
 from autotune.units import format_size
 from trials.techniques import REGISTRY
 
@@ -335,4 +336,5 @@ def pending_note(ladder: Ladder, trial_seconds: Sequence[float], study_name: str
             )
     elif later:
         text += f"; the whole ladder at most {at_most} trials"
-    return text + f". Measure them with: autotune resume --study {study_name} --trials 0 --ladder"
+    command = shell_line(["autotune", "resume", "--study", study_name, "--trials", "0", "--ladder"])
+    return text + f". Measure them with: {command}"

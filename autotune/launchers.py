@@ -51,10 +51,13 @@ from autotune.runner import (
     new_trial_dir,
     trial_env,
 )
+from autotune.terminal import printable
 from trials.lifeline import CONTROLLER_ENV, started_at
 from trials.spec import TrialResult, TrialSpec, rank_result_path
 
 SLURM_JOB_ATTR = "slurm_job_id"
+#: the trial's own folder under the study's work folder (made fresh for its job)
+FOLDER_ATTR = "slurm_folder"
 WATCHER_ATTR = "slurm_watcher"
 #: Slurm job states after which the job runs no more (``squeue``/``scontrol`` names)
 FINAL_STATES = {
@@ -82,6 +85,10 @@ STATE_REASONS = {
 #: seconds after which a job unknown to Slurm (purged: no accounting database) without a complete
 #: result is given up as lost
 LOST_AFTER_S = 60.0
+#: sbatch --time: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS
+SLURM_TIME = r"[0-9]{1,7}(:[0-9]{1,2}){0,2}|[0-9]{1,5}-[0-9]{1,2}(:[0-9]{1,2}){0,2}"
+#: a partition or account name (partitions: a comma-separated list), as slurm.conf allows them
+SLURM_NAME = r"[A-Za-z0-9_.+-]{1,64}(,[A-Za-z0-9_.+-]{1,64}){0,31}"
 
 
 @dataclass(frozen=True)
@@ -102,10 +109,59 @@ class SlurmOptions:
 
     @classmethod
     def from_attrs(cls, attrs: dict[str, Any]) -> SlurmOptions:
+        """The options stored with a study, checked again as when they were given: another
+        tool (or an older autotune) may have written anything into the shared storage."""
         known = {f.name for f in fields(cls)}
         kw = {k: v for k, v in attrs.items() if k in known}
-        kw["extra"] = tuple(kw.get("extra", ()))
-        return cls(**kw)
+        extra = kw.get("extra", ())
+        if not isinstance(extra, list | tuple):
+            raise UserError(f"the study's stored Slurm options: extra is {printable(repr(extra))}"
+                            ", not a list of sbatch options")  # fmt: skip
+        kw["extra"] = tuple(extra)
+        options = cls(**kw)
+        options.check("the study's stored Slurm option ")
+        return options
+
+    def check(self, where: str = "") -> None:
+        """Every value as the job script may hold it: ``#SBATCH`` lines of printable text (a
+        newline would end the line and run the rest in the job), options that are options,
+        names as Slurm's own clients accept them, numbers in range."""
+        texts = {"partition": self.partition, "account": self.account,
+                 "time_limit": self.time_limit}  # fmt: skip
+        flags = {"partition": "--partition", "account": "--account", "time_limit": "--slurm-time",
+                 "extra": "--sbatch-option", "in_flight": "--in-flight"}  # fmt: skip
+
+        def name(key: str) -> str:
+            return f"{where}{key}" if where else flags.get(key, key)
+
+        for key, value in texts.items():
+            if not isinstance(value, str):
+                raise UserError(f"{name(key)} is {printable(repr(value))}, not text")
+        for key in ("partition", "account"):
+            value = texts[key]
+            if value and not re.fullmatch(SLURM_NAME, value):
+                raise UserError(
+                    f"{name(key)} {printable(repr(value))}: not a Slurm {key} name (letters, "
+                    "digits, '_', '-', '.'; several partitions separated by ',')"
+                )
+        if self.time_limit and not re.fullmatch(SLURM_TIME, self.time_limit):
+            raise UserError(f"{name('time_limit')} {printable(repr(self.time_limit))}: use "
+                            "minutes or [D-]HH:MM:SS, as sbatch does")  # fmt: skip
+        for opt in self.extra:
+            if not isinstance(opt, str) or not opt.startswith("-") or not opt.isprintable():
+                raise UserError(
+                    f"{name('extra')} {printable(repr(opt))}: give one sbatch option of "
+                    "printable text, e.g. --qos=high (no newline: it would end the #SBATCH line)"
+                )
+        for key in ("gpus_per_node", "cpus_per_task", "in_flight"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 1024:
+                raise UserError(f"{name(key)} is {printable(repr(value))}: a count 0..1024")
+        if self.in_flight < 1:
+            raise UserError(f"{name('in_flight')} is {self.in_flight}: at least 1")
+        poll = self.poll_s
+        if isinstance(poll, bool) or not isinstance(poll, int | float) or not 0 < poll <= 3600:
+            raise UserError(f"{name('poll_s')} is {printable(repr(poll))}: seconds in (0, 3600]")
 
     def sbatch_options(self, spec: TrialSpec, timeout_s: float) -> list[str]:
         per_node = spec.nproc // max(1, spec.nodes)
@@ -180,9 +236,24 @@ def cancel(job_id: str) -> None:
     _slurm("scancel", job_id, check=False)
 
 
+#: the only words of the exec line the job's shell expands: the rendezvous endpoint (the job's
+#: first node) and id, known only inside the job; every other word is quoted
+JOB_EXPANDED = frozenset({'--rdzv-endpoint="$head:$port"', '--rdzv-id="$SLURM_JOB_ID"'})
+
+
 def _quote(arg: str) -> str:
-    # the rendezvous endpoint is the job's first node, known only inside the job
-    return arg if "$" in arg else shlex.quote(arg)
+    return arg if arg in JOB_EXPANDED else shlex.quote(arg)
+
+
+def _sbatch_line(option: str) -> str:
+    """One ``#SBATCH`` line; sbatch reads up to the end of the line and unquotes nothing
+    further, so a newline or other control character (a path, a name) is refused."""
+    if not option.isprintable():
+        raise UserError(
+            f"cannot write the Slurm job script: the sbatch option {printable(option)!r} holds "
+            "control characters (a newline would end its #SBATCH line)"
+        )
+    return f"#SBATCH {shlex.quote(option)}"
 
 
 def batch_script(
@@ -212,7 +283,7 @@ def batch_script(
         srun.append(f"--cpus-per-task={cpus}")
     lines = [
         "#!/bin/bash",
-        *[f"#SBATCH {shlex.quote(o)}" for o in sbatch],
+        *[_sbatch_line(o) for o in sbatch],
         "# written by autotune: one trial; srun starts one torchrun agent per node",
         "export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false",
         'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
@@ -269,15 +340,28 @@ class SlurmRunner(TrialRunner):
         return self._run(None, spec, new_trial_dir(self.workdir, name).name)
 
     def run_for(self, trial: TrialAttrs, spec: TrialSpec, name: str) -> TrialResult:
-        return self._run(trial, spec, name)
+        # the folder a trial's job writes into is made fresh here (never one already there: a
+        # link planted at trial-N would send the job's files elsewhere) and kept on the trial,
+        # where a controller collecting the job after a restart finds it
+        folder = trial.user_attrs.get(FOLDER_ATTR, name)
+        if trial.user_attrs.get(SLURM_JOB_ATTR):  # a job submitted before: collect it
+            if not isinstance(folder, str) or not re.fullmatch(
+                re.escape(name) + r"(-[A-Za-z0-9_]+)?", folder
+            ):
+                raise UserError(f"trial folder {printable(repr(folder))} stored on the trial is "
+                                "not one autotune made")  # fmt: skip
+            return self._run(trial, spec, folder)
+        folder = new_trial_dir(self.workdir, name).name
+        trial.set_user_attr(FOLDER_ATTR, folder)
+        return self._run(trial, spec, folder)
 
     def _paths(self, name: str) -> tuple[Path, Path, Path]:
         trial_dir = self.workdir / name
         return trial_dir, trial_dir / "spec.json", trial_dir / "result.json"
 
     def submit(self, spec: TrialSpec, name: str) -> str:
+        """Submit the job of a trial whose folder ``new_trial_dir`` made."""
         trial_dir, spec_path, result_path = self._paths(name)
-        trial_dir.mkdir(parents=True, exist_ok=True)
         for rank in range(spec.nproc):
             rank_result_path(result_path, rank, spec.nproc).unlink(missing_ok=True)
         spec_path.write_text(spec.to_json())
@@ -510,13 +594,6 @@ def launcher_attrs(
         if slurm_given:
             raise UserError(f"{slurm_given[0]} is a Slurm option: add --launcher slurm")
         return {"name": "local"}
-    if slurm_time and not re.fullmatch(
-        r"\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}", slurm_time
-    ):
-        raise UserError(f"--slurm-time {slurm_time!r}: use minutes or [D-]HH:MM:SS, as sbatch does")
-    for opt in sbatch_options:
-        if not opt.startswith("-"):
-            raise UserError(f"--sbatch-option {opt!r}: give an sbatch option, e.g. --qos=high")
     base = SlurmOptions.from_attrs(stored) if stored.get("name") == "slurm" else SlurmOptions()
     changes: dict[str, Any] = {
         "partition": partition,
@@ -529,12 +606,11 @@ def launcher_attrs(
     options = SlurmOptions(**{**asdict(base), **{k: v for k, v in changes.items() if v}})
     if os.environ.get(POLL_ENV):
         options = SlurmOptions(**{**asdict(options), "poll_s": float(os.environ[POLL_ENV])})
+    options.check()
     check_slurm(options)
     return options.to_attrs()
 
 
-#: sbatch --time: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS
-SLURM_TIME = r"\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}"
 #: seconds between looks at the Slurm queue (tests use less than the default 5)
 POLL_ENV = "AUTOTUNE_SLURM_POLL_S"
 

@@ -254,7 +254,36 @@ REGISTRY: dict[str, ModelEntry] = {
 #: sizes every decoder config must state, by their normalised transformers name
 SIZE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
 #: further sizes checked when present
-OPTIONAL_SIZE_KEYS = ("intermediate_size", "num_key_value_heads", "head_dim", "n_inner")
+OPTIONAL_SIZE_KEYS = (
+    "intermediate_size",
+    "num_key_value_heads",
+    "head_dim",
+    "n_inner",
+    "max_position_embeddings",
+    "num_local_experts",
+    "num_experts",
+    "moe_intermediate_size",
+)
+#: what one config may ask for (docs/LIMITS.md): far above any released model (the largest
+#: have ~126 layers, width 16,384 to 25,600, 262,144 tokens of vocabulary), low enough that
+#: building the model on the meta device and scoring every configuration take seconds
+SIZE_LIMITS = {
+    "num_hidden_layers": 1024,
+    "hidden_size": 131_072,
+    "intermediate_size": 1_048_576,
+    "n_inner": 1_048_576,
+    "moe_intermediate_size": 1_048_576,
+    "vocab_size": 4_194_304,
+    "num_attention_heads": 1024,
+    "num_key_value_heads": 1024,
+    "head_dim": 4096,
+    "max_position_embeddings": 16_777_216,
+    "num_local_experts": 1024,
+    "num_experts": 1024,
+}
+#: a config.json: read at most this many bytes, nested at most this deep (as YAML inputs)
+MAX_CONFIG_BYTES = 1_000_000
+MAX_CONFIG_DEPTH = 32
 
 
 def _transformers_config(cfg: dict[str, Any], source: str) -> Any:
@@ -285,7 +314,20 @@ def _transformers_config(cfg: dict[str, Any], source: str) -> Any:
         if value is None and key not in SIZE_KEYS:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise UserError(f"{source}: {key} must be a positive integer (got {value!r})")
+            raise UserError(f"{source}: {key} must be a positive integer (got {value!r})"[:300])
+        limit = SIZE_LIMITS.get(key)
+        if limit is not None and value > limit:
+            raise UserError(
+                f"{source}: {key} {value:,} is more than {limit:,}, the limit of one model "
+                "config (docs/LIMITS.md)"
+            )
+    heads = cfg.get(aliases.get("num_attention_heads", "num_attention_heads"))
+    kv = cfg.get(aliases.get("num_key_value_heads", "num_key_value_heads"))
+    if isinstance(kv, int) and isinstance(heads, int) and heads % kv:
+        raise UserError(
+            f"{source}: num_key_value_heads {kv} does not divide num_attention_heads {heads} "
+            "(each key/value head serves a whole group of query heads)"
+        )
     args = {k: v for k, v in cfg.items() if k != "model_type"}
     try:
         config = AutoConfig.for_model(model_type, **args)
@@ -528,6 +570,55 @@ def count_params(cfg: dict[str, Any]) -> int:
     return stats_of(cfg).n_params
 
 
+def _depth(value: Any) -> int:
+    """How deep ``value`` nests (a scalar: 0), walked without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = (
+            item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        )
+        for child in children:
+            if isinstance(child, dict | list):
+                stack.append((child, depth + 1))
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth)
+    return deepest
+
+
+def _read_config_json(path: Path, shown: str) -> Any:
+    """A config.json within ``MAX_CONFIG_BYTES`` and ``MAX_CONFIG_DEPTH``; one line otherwise."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise UserError(f"model config {shown}: cannot read it: {exc.strerror}") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise UserError(f"model config {shown}: larger than {MAX_CONFIG_BYTES:,} bytes")
+    try:
+        cfg = json.loads(data.decode("utf-8"))
+    except RecursionError:
+        raise UserError(
+            f"model config {shown}: nested deeper than {MAX_CONFIG_DEPTH} levels"
+        ) from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"model config {shown} is not valid JSON: {exc}") from None
+    if _depth(cfg) > MAX_CONFIG_DEPTH:
+        raise UserError(f"model config {shown}: nested deeper than {MAX_CONFIG_DEPTH} levels")
+    return cfg
+
+
+def check_seq_len(seq_len: int | None, config: dict[str, Any], model: str) -> None:
+    """A sequence longer than the model's position table: transformers would index past it
+    (an error mid-trial on CUDA, garbage rotary positions for some models)."""
+    limit = config.get("max_position_embeddings") or config.get("n_positions")
+    if seq_len is not None and isinstance(limit, int) and 0 < limit < seq_len:
+        raise UserError(
+            f"--seq-len {seq_len} is longer than {model}'s max_position_embeddings ({limit}); "
+            f"use at most {limit}"
+        )
+
+
 def resolve_model(name_or_path: str) -> ModelEntry:
     """A registered name, or a path to a transformers ``config.json`` (local files only)."""
     if name_or_path in REGISTRY:
@@ -536,10 +627,7 @@ def resolve_model(name_or_path: str) -> ModelEntry:
     if path.suffix == ".json" or path.exists():
         if not path.is_file():
             raise UserError(f"model config file not found: {name_or_path}")
-        try:
-            cfg = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise UserError(f"model config {name_or_path} is not valid JSON: {exc}") from None
+        cfg = _read_config_json(path, name_or_path)
         if not isinstance(cfg, dict) or "model_type" not in cfg:
             raise UserError(f"{name_or_path} is not a causal-LM model config: missing model_type")
         cfg = {k: v for k, v in cfg.items() if not k.startswith("_") and k != "architectures"}

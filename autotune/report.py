@@ -25,6 +25,7 @@ from autotune.ladder import Ladder, build_ladder, ladder_cells, pending_note
 from autotune.selector import Row, Selection, select
 from autotune.space import SearchSpace
 from autotune.study import settings_of
+from autotune.terminal import printable
 from autotune.units import format_size
 
 MIB = 2**20
@@ -73,6 +74,21 @@ class Report:
     markdown: Path
     html: Path
     ladder: Ladder
+
+    def moved_to(self, folder: Path) -> Report:
+        """The same report once its files are in ``folder`` (written in a staging folder)."""
+
+        def moved(p: Path | None) -> Path | None:
+            return None if p is None else folder / p.name
+
+        return Report(
+            folder,
+            folder / self.pareto_png.name,
+            moved(self.memory_png),
+            folder / self.markdown.name,
+            folder / self.html.name,
+            self.ladder,
+        )
 
 
 def device_parts(breakdown: dict[str, int] | None) -> dict[str, int]:
@@ -277,7 +293,8 @@ def memory_bars(sel: Selection, ladder: Ladder, attrs: dict[int, dict[str, Any]]
         if sel.winner is not None and r.number == sel.winner.number:
             label += "\n(winner)"
         offloaded = int((r.memory_breakdown or {}).get(HOST_KEY) or 0)
-        bars.append(Bar(label, r, int(a.get("construction_peak_bytes") or 0), offloaded))
+        bars.append(Bar(label, r, r.construction_peak_bytes or int(a.get("construction") or 0),
+                        offloaded))  # fmt: skip
     return bars
 
 
@@ -482,7 +499,6 @@ TRIAL_COLUMNS = (
 def trial_cells(sel: Selection, attrs: dict[int, dict[str, Any]]) -> list[dict[str, str]]:
     out = []
     for r in sel.rows:
-        a = attrs.get(r.number, {})
         parts = device_parts(r.memory_breakdown)
         offloaded = int((r.memory_breakdown or {}).get(HOST_KEY) or 0)
         status = r.status + (" (predicted)" if r.predicted else "")
@@ -493,8 +509,8 @@ def trial_cells(sel: Selection, attrs: dict[int, dict[str, Any]]) -> list[dict[s
             "status": status,
             "config": describe(r.config),
             "peak": format_size(r.peak_bytes) if r.peak_bytes else "-",
-            "construction": format_size(int(a["construction_peak_bytes"]))
-            if a.get("construction_peak_bytes")
+            "construction": format_size(r.construction_peak_bytes)
+            if r.construction_peak_bytes
             else "-",
             "host": format_size(r.host_peak_bytes) if r.host_peak_bytes else "-",
             "offloaded": format_size(offloaded) if offloaded else "-",
@@ -517,7 +533,7 @@ def write_markdown(
     pending: str,
 ) -> Path:
     cells = ladder_cells(ladder)
-    lines = [f"# autotune report: study `{study.study_name}`", ""]
+    lines = [f"# autotune report: study `{printable(study.study_name)}`", ""]
     lines += [f"* {line}" for line in _summary_lines(study, sel)]
     lines += [
         "",
@@ -593,12 +609,12 @@ def write_html(
     trials_html = _html_table(TRIAL_COLUMNS, trials, titles, "trials")
     path.write_text(
         "<!doctype html><html lang='en'><head><meta charset='utf-8'>"
-        f"<title>autotune: {e(study.study_name)}</title><style>"
+        f"<title>autotune: {e(printable(study.study_name))}</title><style>"
         "body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}"
         "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;"
         "padding:3px 8px;text-align:right}th{background:#f3f3f3}img{max-width:100%}"
         "td:nth-child(2),td:nth-child(3){text-align:left}</style></head><body>"
-        f"<h1>autotune report: {e(study.study_name)}</h1><ul>{items}</ul>"
+        f"<h1>autotune report: {e(printable(study.study_name))}</h1><ul>{items}</ul>"
         f"<h2>Speed against memory</h2>{imgs.get('pareto', '')}"
         f"<h2>Ablation ladder</h2><p>{e(_ladder_note(ladder))}</p>{ladder_html}"
         + (f"<p id='pending'>{e(pending)}</p>" if pending else "")
@@ -629,7 +645,8 @@ def write_report(study: optuna.Study, out_dir: Path) -> Report:
     sel = select(study)
     ladder = build_ladder(study, space)
     attrs = {t.number: t.user_attrs for t in study.get_trials(deepcopy=False)}
-    pareto = pareto_plot(sel, ladder, out_dir / "pareto.png", f"study {study.study_name}")
+    title = f"study {printable(study.study_name)}"
+    pareto = pareto_plot(sel, ladder, out_dir / "pareto.png", title)
     host_limit = settings.host_budget_bytes or None  # 0: unlimited
     memory = memory_plot(
         memory_bars(sel, ladder, attrs),

@@ -24,6 +24,7 @@ from optuna.trial import TrialState
 
 from autotune.estimator.speed import MODEL_ERROR
 from autotune.lossguard import LossVerdict
+from autotune.strategy import FOREIGN, foreign_record
 from autotune.study import settings_of
 from autotune.units import format_size
 from trials.techniques import REGISTRY, classes_up_to, fidelity_class
@@ -191,10 +192,26 @@ def rows_of(study: optuna.Study) -> list[Row]:
             status = a.get("status", "failed")
         if t.state == TrialState.FAIL and status != "failed":
             status = "failed"
+        foreign = foreign_record(a)
+        try:
+            verdict = (
+                LossVerdict.from_attrs(a.get("loss_verdict"))
+                if status == "ok" and not foreign
+                else None
+            )
+        except (TypeError, ValueError, KeyError, AttributeError) as exc:
+            foreign = f"loss_verdict: {exc}"
+        if foreign:
+            config = a["config"] if isinstance(a.get("config"), dict) else {}
+            rows.append(
+                Row(number=t.number, config=config, status="failed", peak_bytes=0,
+                    tokens_per_s=0.0, loss_regression=None, loss_tolerance=None, fits=False,
+                    loss_ok=None, error=FOREIGN + foreign)
+            )  # fmt: skip
+            continue
         config = a.get("config") or {}
         peak = int(a.get("peak_bytes") or 0)
         # the verdict stored by the objective (autotune/lossguard.py), never recomputed here
-        verdict = LossVerdict.from_attrs(a.get("loss_verdict")) if status == "ok" else None
         breakdown = a.get("memory_breakdown") or {}
         rows.append(
             Row(

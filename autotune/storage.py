@@ -20,7 +20,7 @@ import time
 import warnings
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import parse_qs, quote
 
 import sqlalchemy
 import sqlalchemy.exc
@@ -29,7 +29,7 @@ from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 from sqlalchemy import event
 from sqlalchemy.engine import make_url
 
-from autotune.errors import EnvironmentFailure, UserError
+from autotune.errors import EnvironmentFailure, UserError, corrupt_database, corrupt_message
 from autotune.masking import has_unencoded_at, mask_secret, mask_text, mask_url, remember
 
 __all__ = ["mask_secret", "mask_text", "mask_url", "open_storage"]
@@ -87,6 +87,14 @@ def sqlite_path(url: str) -> Path | None:
     return Path(path) if path and path != ":memory:" else None
 
 
+def _read_only_url(url: str) -> bool:
+    """An SQLite URL that asks SQLite to open the file read-only (``?mode=ro``,
+    ``?immutable=1``): SQLAlchemy passes such options on only with ``uri=true``."""
+    query = url.partition("?")[2]
+    pairs = {k.lower(): v[-1].lower() for k, v in parse_qs(query).items()}
+    return pairs.get("mode") == "ro" or pairs.get("immutable") in ("1", "true", "yes", "on")
+
+
 def open_storage(url: str, must_exist: bool = False, read_only: bool = False) -> RDBStorage:
     """An RDB storage with heartbeats: a trial whose controller died is failed and retried once.
 
@@ -104,6 +112,11 @@ def open_storage(url: str, must_exist: bool = False, read_only: bool = False) ->
         )
     target = driver_url(url)
     sqlite = target.startswith("sqlite")
+    if sqlite and not read_only and _read_only_url(target):
+        raise UserError(
+            f"storage {mask_url(url)} asks for a read-only database (mode=ro or immutable=1): "
+            "this command writes trials; drop that option (show, export and report only read)"
+        )
     path = sqlite_path(target)
     if path is not None:
         try:
@@ -122,6 +135,8 @@ def open_storage(url: str, must_exist: bool = False, read_only: bool = False) ->
         }
     if read_only:
         engine_kwargs = _read_only_engine_kwargs(target, path)
+        if path is not None:  # the creator opens the file read-only; the URL's query is moot
+            target = target.partition("?")[0]
         _check_schema(target, engine_kwargs, url)
     storage = _create(target, url, interval, engine_kwargs, read_only)
     if sqlite and not read_only:
@@ -252,6 +267,9 @@ def _open_error(exc: BaseException, url: str) -> UserError | EnvironmentFailure:
         host = f"{parsed.host or 'localhost'}:{parsed.port or ''}".rstrip(":")
     except Exception:
         host = "its server"
+    damaged = corrupt_database(exc)
+    if damaged:
+        return UserError(corrupt_message(where, damaged))
     if isinstance(exc, ImportError | ModuleNotFoundError) or "no module named" in low:
         return UserError(f"{where}: its database driver is not installed: {text[:200]}")
     if any(k in low for k in ("connection refused", "could not connect", "timeout expired",

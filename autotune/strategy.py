@@ -41,6 +41,7 @@ from optuna.distributions import BaseDistribution
 from optuna.samplers import BaseSampler, RandomSampler
 from optuna.trial import FrozenTrial, TrialState
 
+from autotune.terminal import printable
 from trials.data import Documents
 from trials.techniques import REGISTRY, is_exact
 
@@ -100,11 +101,56 @@ class Observation:
     loss_regression: float | None = None
 
 
+#: numbers every trial record of autotune holds as int or float (finite)
+NUMBER_ATTRS = (
+    "peak_bytes",
+    "tokens_per_s",
+    "host_peak_bytes",
+    "step_spread",
+    "load_per_core",
+    "construction_peak_bytes",
+    "training_peak_bytes",
+)
+#: a trial's record another tool wrote in another shape: shown as a failed trial saying so
+FOREIGN = "its record is not autotune's (written by another tool?): "
+
+
+def _number(value: Any) -> bool:
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value >= 0
+    )
+
+
+def foreign_record(a: dict[str, Any]) -> str:
+    """What in a trial's user attrs is not of the shape autotune writes ('' when all is)."""
+    for key in NUMBER_ATTRS:
+        if a.get(key) is not None and not _number(a[key]):
+            return f"{key} is {printable(repr(a[key]))[:60]}"
+    for key in ("config", "memory_breakdown", "loss_verdict"):
+        if a.get(key) is not None and not isinstance(a[key], dict):
+            return f"{key} is not a mapping"
+    breakdown = a.get("memory_breakdown") or {}
+    if not all(_number(v) for v in breakdown.values()):
+        return "memory_breakdown holds a value that is not a number of bytes"
+    for key in ("rank_peaks", "losses"):
+        if a.get(key) is not None and not isinstance(a[key], list):
+            return f"{key} is not a list"
+    for key in ("status", "error", "role", "stderr_tail", "fidelity"):
+        if a.get(key) is not None and not isinstance(a[key], str):
+            return f"{key} is not text"
+    return ""
+
+
 def observations(study: optuna.Study) -> list[Observation]:
     out = []
     for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
         a = t.user_attrs
         if "config" not in a or a.get("status") not in ("ok", "oom", "failed"):
+            continue
+        if foreign_record(a):  # written by another tool in another shape: nothing to learn
             continue
         status = a["status"]
         if status == "oom" and a.get("pruned_by_estimate"):

@@ -14,7 +14,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from autotune.errors import UserError
 from autotune.lossguard import Prober, judge
 from autotune.runner import TrialRunner
 from autotune.space import SearchSpace
+from autotune.terminal import printable
 from trials.data import Documents
 from trials.spec import TrialResult, TrialSpec, tracked_steps
 from trials.techniques import fidelity_class
@@ -219,18 +220,55 @@ def load_existing(storage: RDBStorage, name: str | None) -> optuna.Study:
         # private ``_study_id``)
         name = max((s.study_name for s in summaries), key=storage.get_study_id_from_name)
     elif name not in {s.study_name for s in summaries}:
-        known = ", ".join(s.study_name for s in summaries)
-        raise UserError(f"no study named '{name}' (studies here: {known})")
+        known = ", ".join(printable(s.study_name) for s in summaries)
+        raise UserError(f"no study named '{printable(name)}' (studies here: {known})")
     study = optuna.load_study(study_name=name, storage=storage)
     if _settings_attr(study) is None:
-        raise UserError(f"study '{name}' was not made by autotune")
+        raise UserError(f"study '{printable(name)}' was not made by autotune")
     return study
 
 
+#: the stored type of each setting (its annotation): what another tool wrote is checked
+_SETTING_TYPES: dict[str, tuple[type, ...]] = {
+    "str": (str,),
+    "int": (int,),
+    "float": (int, float),
+    "dict[str, Any]": (dict,),
+    "list[int] | None": (list, type(None)),
+}
+
+
 def settings_of(study: optuna.Study) -> StudySettings:
+    """The study's stored settings; settings another tool wrote in another shape are one
+    clear error, not a ``TypeError`` deep inside a command."""
     attrs = _settings_attr(study)
-    assert attrs is not None
-    return StudySettings.from_attrs(attrs)
+    name = printable(study.study_name)
+    if not isinstance(attrs, dict):
+        raise UserError(f"study '{name}': its settings are not autotune's (written by another "
+                        "tool?); run a new study")  # fmt: skip
+    for f in fields(StudySettings):
+        kinds = _SETTING_TYPES.get(str(f.type))
+        value = attrs.get(f.name)
+        if f.name not in attrs or kinds is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            raise UserError(
+                f"study '{name}': in its stored settings, {f.name} is "
+                f"{printable(repr(value))[:80]}"
+                f", not a {f.type}: written by another tool? run a new study"
+            )
+    from autotune.models import SIZE_LIMITS  # transformers only when a config is built
+
+    config = attrs.get("model_config") or {}
+    for key, limit in SIZE_LIMITS.items():
+        value = config.get(key)
+        if isinstance(value, int) and value > limit:
+            raise UserError(f"study '{name}': its stored settings' model config has {key} "
+                            f"{value:,}, more than {limit:,} (docs/LIMITS.md)")  # fmt: skip
+    try:
+        return StudySettings.from_attrs(attrs)
+    except (TypeError, ValueError) as exc:
+        raise UserError(f"study '{name}': its settings are not autotune's: {exc}") from None
 
 
 # --- loss reference --------------------------------------------------------------------------
@@ -337,6 +375,37 @@ def find_duplicate(
                 continue
             return t
     return None
+
+
+#: seconds between looks at an earlier trial that measures the same configuration
+SAME_CONFIG_POLL_S = 1.0
+#: seconds an earlier RUNNING trial may take to record its configuration (it does so right
+#: after it starts); one that never does is not waited for
+DECLARE_WAIT_S = 60.0
+
+
+def wait_for_earlier_same(study: optuna.Study, number: int, config: dict[str, Any]) -> None:
+    """Wait while an earlier trial (a lower number) measures ``config`` right now: two
+    controllers started together may draw the same configuration (the queued reference twice,
+    the same plan); the later one then reuses the earlier one's result (``find_duplicate``)
+    instead of measuring it at the same time. An earlier trial always runs and never waits for
+    a later one, so no two wait on each other; a later trial first waits (a bounded time) for
+    every earlier RUNNING trial to record its configuration, so none is missed. An earlier
+    trial whose controller died is failed by the heartbeat sweep, which ends the wait."""
+    started = time.monotonic()
+    while True:
+        earlier = [
+            t
+            for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+            if t.number < number
+        ]
+        undeclared = time.monotonic() - started < DECLARE_WAIT_S and any(
+            "config" not in t.user_attrs for t in earlier
+        )
+        if not undeclared and not any(t.user_attrs.get("config") == config for t in earlier):
+            return
+        time.sleep(SAME_CONFIG_POLL_S)
+        optuna.storages.fail_stale_trials(study)
 
 
 _RESULT_ATTRS = (
@@ -469,6 +538,8 @@ class Objective:
         is_reference = role == "reference"
         # the reference and ladder steps run without the budget: their peak is the true one
         unbounded = role in UNBOUNDED_ROLES
+        if not is_reference:
+            wait_for_earlier_same(self.study, trial.number, config)
         earlier = (
             None if is_reference else find_duplicate(self.study, config, need_true_peak=unbounded)
         )
@@ -641,4 +712,6 @@ def workdir_for(study: optuna.Study, root: Path = Path("autotune_runs")) -> Path
         folder_id = uuid.uuid4().hex[:12]
         study.set_user_attr(FOLDER_ID_ATTR, folder_id)
     safe = re.sub(r"[^A-Za-z0-9._-]+", "_", study.study_name)
-    return root / f"{safe}-{folder_id}"
+    # the id as stored: another tool may have written a path ("../..") or a newline there
+    safe_id = re.sub(r"[^A-Za-z0-9]+", "_", str(folder_id))
+    return root / f"{safe}-{safe_id}"

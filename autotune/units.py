@@ -22,7 +22,10 @@ _UNITS = {
 #: to zero bytes divides by zero), above one PiB it is a typo
 MIN_BUDGET = 2**20
 MAX_BUDGET = 2**50
-_PATTERN = re.compile(r"^\s*([-+]?\d+(?:\.\d+)?|[-+]?\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
+#: ASCII only: ``\d`` would take full-width and other scripts' digits, which float() reads
+_PATTERN = re.compile(
+    r"^\s*([-+]?\d+(?:\.\d+)?|[-+]?\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE | re.ASCII
+)
 
 
 def parse_size(text: str) -> int:

@@ -82,6 +82,9 @@ SPACES: dict[str, str | bytes] = {
     "reference_unknown.yaml": "dimensions:\n  precision: {choices: [fp32]}\nreference: {zz: 1}\n",
     "estimate_config_dup.yaml": "precision: bf16\nprecision: fp32\n",
     "estimate_config_unknown.yaml": "colour: blue\n",
+    "estimate_config_micro0.yaml": "micro_batch_size: 0\n",
+    "estimate_config_micro3.yaml": "micro_batch_size: 3\n",
+    "estimate_config_nested.yaml": "precision: {bf16: [1]}\n",
 }
 
 
@@ -294,9 +297,26 @@ CASES: list[Case] = [
     Case("export folder missing",
          ["export", "--study", STUDY, "--format", "deepspeed", "--out", "no/such/dir/ds.json"],
          "does not exist"),
-    Case("export to a full disk",
+    Case("export onto a device",
          ["export", "--study", FITTED, "--format", "deepspeed", "--out", "/dev/full"],
-         "cannot write /dev/full: No space left on device", code=1),
+         "cannot write /dev/full: not a regular file"),
+    Case("export onto a FIFO",
+         ["export", "--study", FITTED, "--format", "deepspeed", "--out", "pipe.json"],
+         "not a regular file"),
+    Case("export onto the study's database",
+         ["export", "--study", FITTED, "--format", "hf", "--out", "autotune.db", "--force"],
+         "the study's own database"),
+    Case("export onto a file it did not write",
+         ["export", "--study", FITTED, "--format", "deepspeed", "--out", "broken.json"],
+         "autotune did not write it"),
+    Case("export lr inf",
+         ["export", "--study", FITTED, "--format", "hf", "--out", "x.json", "--lr", "inf"],
+         "'--lr'"),
+    Case("export lr nan",
+         ["export", "--study", FITTED, "--format", "hf", "--out", "x.json", "--lr", "nan"],
+         "'--lr'"),
+    Case("export weight decay inf", ["export", "--study", FITTED, "--format", "hf", "--out",
+         "x.json", "--weight-decay", "Infinity"], "'--weight-decay'"),
     Case("export onto a folder",
          ["export", "--study", FITTED, "--format", "deepspeed", "--out", "folder.json"],
          "is a directory"),
@@ -304,6 +324,32 @@ CASES: list[Case] = [
          "does not exist"),
     Case("report onto a file", ["report", "--study", STUDY, "--out", "broken.json"],
          "is a file"),
+    Case("gpu with the cpu backend", [*RUN_1GB, "--backend", "cpu", "--gpu", "h100"],
+         "which --gpu does not change"),
+    Case("gpu with a model the auto backend runs on the cpu", [*RUN_1GB, "--gpu", "h100"],
+         "add --backend estimate"),
+    Case("storage read-only for a run", [*RUN_1GB, "--storage", "sqlite:///autotune.db?mode=ro"],
+         "asks for a read-only database"),
+    Case("storage immutable for a worker", ["worker", "--study", STUDY, "--storage",
+         "sqlite:///autotune.db?immutable=1"], "asks for a read-only database"),
+    Case("show of a damaged database", ["show", "--storage", "sqlite:///damaged.db"],
+         "the database file is damaged (SQLite: database disk image is malformed)"),
+    Case("run on a damaged database",
+         [*RUN_1GB, "--storage", "sqlite:///damaged.db", "--backend", "cpu"],
+         "the database file is damaged"),
+    # --- Slurm options: what reaches a job script ----------------------------------------------
+    Case("partition with a newline", [*RUN_1GB, "--launcher", "slurm", "--partition",
+         "debug\ntouch pwned"], "--partition 'debug\\ntouch pwned': not a Slurm partition"),
+    Case("account with a carriage return", [*RUN_1GB, "--launcher", "slurm", "--account",
+         "lab\rtouch pwned"], "--account"),
+    Case("account with a space and a semicolon", [*RUN_1GB, "--launcher", "slurm", "--account",
+         "lab; touch pwned"], "not a Slurm account name"),
+    Case("sbatch option with a newline", [*RUN_1GB, "--launcher", "slurm", "--sbatch-option",
+         "--qos=high\ntouch pwned"], "no newline"),
+    Case("sbatch option with a C1 control", [*RUN_1GB, "--launcher", "slurm", "--sbatch-option",
+         "--qos=high\x85touch pwned"], "--sbatch-option"),
+    Case("slurm time in full-width digits", [*RUN_1GB, "--launcher", "slurm", "--slurm-time",
+         "\uff11\uff10"], "--slurm-time"),
     # --- estimate ----------------------------------------------------------------------------
     Case("estimate unknown GPU", ["estimate", *TINY, "--budget", "24GB", "--gpu", "h900"],
          "unknown GPU 'h900'"),
@@ -320,6 +366,45 @@ CASES: list[Case] = [
     Case("estimate config unknown dimension",
          ["estimate", *TINY, "--budget", "24GB", "--config", "estimate_config_unknown.yaml"],
          "unknown dimension 'colour'"),
+    Case("model of 10^12 layers", ["estimate", "--model", "layers.json", "--budget", "24GB"],
+         "num_hidden_layers 1,000,000,000,000 is more than 1,024"),
+    Case("model of width 2^40", ["run", "--model", "wide.json", "--budget", "1GB"],
+         "hidden_size"),
+    Case("model vocabulary of 10^9", ["estimate", "--model", "vocab.json", "--budget", "24GB"],
+         "vocab_size"),
+    Case("kv heads not dividing the heads",
+         ["estimate", "--model", "kv_heads.json", "--budget", "24GB"],
+         "num_key_value_heads 3 does not divide num_attention_heads 4"),
+    Case("max_position_embeddings zero",
+         ["run", "--model", "positions0.json", "--budget", "1GB"],
+         "max_position_embeddings must be a positive integer"),
+    Case("model config nested 100,000 deep",
+         ["estimate", "--model", "nested.json", "--budget", "24GB"], "nested deeper than 32"),
+    Case("model config nested 40 deep", ["run", "--model", "nested40.json", "--budget", "1GB"],
+         "nested deeper than 32"),
+    Case("budget in full-width digits", ["run", *TINY, "--budget", "\uff11\uff10GB"],
+         "invalid budget"),
+    Case("estimate budget in Arabic-Indic digits",
+         ["estimate", *TINY, "--budget", "\u0661\u0660GB"], "invalid budget"),
+    Case("estimate nproc 10^9", ["estimate", *TINY, "--budget", "24GB", "--nproc",
+         "1000000000"], "'--nproc'"),
+    Case("run nproc 10^9", [*RUN_1GB, "--nproc", "1000000000"], "'--nproc'"),
+    Case("estimate global batch 10^21", ["estimate", *TINY, "--budget", "24GB",
+         "--global-batch-size", str(10**21)], "'--global-batch-size'"),
+    Case("estimate seq-len beyond the model's positions",
+         ["estimate", *TINY, "--budget", "24GB", "--seq-len", "4096"],
+         "max_position_embeddings (1024)"),
+    Case("documents longer than any sequence",
+         [*RUN_1GB, "--documents", "2:99999999999999999999999"], "--documents"),
+    Case("estimate config micro-batch zero",
+         ["estimate", *TINY, "--budget", "24GB", "--config", "estimate_config_micro0.yaml"],
+         "micro_batch_size 0"),
+    Case("estimate config micro-batch not dividing the batch",
+         ["estimate", *TINY, "--budget", "24GB", "--config", "estimate_config_micro3.yaml"],
+         "does not divide"),
+    Case("estimate config nested value",
+         ["estimate", *TINY, "--budget", "24GB", "--config", "estimate_config_nested.yaml"],
+         "not one choice"),
     Case("estimate top zero", ["estimate", *TINY, "--budget", "24GB", "--top", "0"], "'--top'"),
 ]  # fmt: skip
 
@@ -371,6 +456,7 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (path / "binary.json").write_bytes(bytes(range(256)))
     (path / "list.json").write_text("[1, 2]")
     (path / "folder.json").mkdir()
+    os.mkfifo(path / "pipe.json")
     short = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64,
              "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2,
              "max_position_embeddings": 32}  # fmt: skip
@@ -380,7 +466,19 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
         json.dumps({k: v for k, v in short.items() if k != "hidden_size"})
     )
     (path / "unknown.json").write_text(json.dumps({**short, "model_type": "nonesuch"}))
+    (path / "layers.json").write_text(json.dumps({**short, "num_hidden_layers": 10**12}))
+    (path / "wide.json").write_text(json.dumps({**short, "hidden_size": 2**40}))
+    (path / "vocab.json").write_text(json.dumps({**short, "vocab_size": 10**9}))
+    (path / "kv_heads.json").write_text(json.dumps({**short, "num_attention_heads": 4,
+                                                     "num_key_value_heads": 3}))  # fmt: skip
+    (path / "positions0.json").write_text(json.dumps({**short, "max_position_embeddings": 0}))
+    (path / "nested.json").write_text("[" * 100_000 + "]" * 100_000)
+    (path / "nested40.json").write_text(json.dumps({**short, "x": json.loads("[" * 40 + "]" * 40)}))
     (path / "not_a_db.db").write_text("plain text, not SQLite\n" * 100)
+    make_study(f"sqlite:///{path / 'damaged.db'}", STUDY, SMALL_SPACE, "1GB")
+    with open(path / "damaged.db", "r+b") as f:  # pages past the header overwritten
+        f.seek(8192)
+        f.write(b"\xff" * 8192)
     return path
 
 

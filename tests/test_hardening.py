@@ -317,13 +317,15 @@ def test_the_table_follows_the_terminal_width(in_tmp: Path) -> None:
             ["--storage", "sqlite:///my dir/$(touch pwned).db"],
         ),
         ("pg", "postgresql://bob:s3cret-pw@db/x", []),  # a password is never printed
+        # a name another tool stored: terminal sequences, a newline, a C1 control, a quote
+        ("e\x1b]52;c;eA==\x07'\n\x9b2J\\\U0001f600 $(touch pwned)", "sqlite:///autotune.db", []),
     ],
 )
 def test_the_resume_hint_is_one_command_bash_reads_back(
     name: str, url: str, storage_args: list[str], tmp_path: Path
 ) -> None:
     hint = resume_hint(name, url)
-    assert "\n" not in hint and "s3cret" not in hint
+    assert "\n" not in hint and "s3cret" not in hint and hint.isprintable()
     command = hint.split(": ", 1)[1]
     argv = subprocess.run(
         ["bash", "-c", f'autotune() {{ printf "%s\\0" "$@"; }}; {command}'],

@@ -7,6 +7,7 @@ Where Slurm is not running these tests fail (they do not skip): run the script a
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -192,3 +193,97 @@ def test_jobs_of_no_trial_get_folders_of_their_own(tmp_path: Path) -> None:
     folders = sorted(p.name for p in tmp_path.iterdir())
     assert len(folders) == 2 and all(f.startswith("probe-abc") for f in folders), folders
     assert all((tmp_path / f / "job.sbatch").is_file() for f in folders)
+
+
+# --- what reaches a job script: stored options checked again, every word quoted, no link -------
+
+
+def test_stored_slurm_options_are_checked_again_when_a_worker_loads_them(tmp_path: Path) -> None:
+    """Another tool (anyone who can write to the shared storage) stores a partition that would
+    end its #SBATCH line: ``worker`` and ``resume`` refuse it in one line and submit nothing."""
+    from click.testing import CliRunner
+
+    from autotune.cli import main
+    from tests.studies import make_study
+
+    storage = f"sqlite:///{tmp_path / 'autotune.db'}"
+    study = make_study(storage, STUDY, TINY_SPACE)
+    hostile = [{"partition": "debug\ntouch pwned"}, {"extra": ["--qos=x\ntouch pwned"]},
+               {"account": "a b"}, {"extra": "--qos=high"}, {"in_flight": "many"},
+               {"poll_s": -1}, {"time_limit": "1\ntouch pwned"}]  # fmt: skip
+    for bad in hostile:
+        settings = dict(study.user_attrs["settings"])
+        settings["launcher"] = {"name": "slurm", "in_flight": 1, **bad}
+        study.set_user_attr("settings", settings)
+        for command in ("worker", "resume"):
+            result = CliRunner().invoke(
+                main, [command, "--study", STUDY, "--trials", "1", "--storage", storage],
+                catch_exceptions=False,
+            )  # fmt: skip
+            err = result.stderr
+            assert result.exit_code == 2, result.output
+            assert len(err.strip().splitlines()) == 1 and "Slurm option" in err, err
+    assert not list(tmp_path.rglob("pwned")) and not list(tmp_path.rglob("*.sbatch"))
+    assert _trials(storage) == []
+
+
+def test_every_word_of_the_exec_line_reaches_srun_as_it_was(tmp_path: Path) -> None:
+    """bash itself is the oracle: the job script runs with an ``srun`` and a ``scontrol`` that
+    only record their argv; a working folder named ``w$(touch pwned)`` and a python path with
+    quotes arrive as they were, and only the rendezvous endpoint and id are expanded."""
+    from autotune.launchers import SlurmOptions, batch_script
+    from tests.conftest import tiny_spec
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool, body in (("srun", "open(sys.argv[0] + '.argv.json', 'w').write(json.dumps("
+                        "sys.argv[1:]))"), ("scontrol", "print('node-a')")):  # fmt: skip
+        (bin_dir / tool).write_text(f"#!{sys.executable}\nimport json, sys\n{body}\n")
+        (bin_dir / tool).chmod(0o755)
+    folder = tmp_path / "w$(touch pwned) `touch pwned2` 'q\" ;x"
+    python = str(tmp_path / "py $(touch pwned3)")
+    for nodes in (1, 2):
+        spec = tiny_spec({}, nproc=2 * nodes, nodes=nodes)
+        job = [python, "-m", "trials.job", str(folder / "spec.json"), str(folder / "r.json")]
+        script = batch_script(spec, SlurmOptions(partition="debug"), 60, job,
+                              folder / "slurm-%j.log", "autotune-x")  # fmt: skip
+        run = subprocess.run(
+            ["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+            env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}",
+                 "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node-[a-b]"},
+        )  # fmt: skip
+        assert run.returncode == 0, run.stderr
+        argv = json.loads((bin_dir / "srun.argv.json").read_text())
+        assert argv[0] == "--kill-on-bad-exit=1" and python in argv
+        assert argv[-3:] == job[-3:]  # trials.job SPEC RESULT, each one word as it was
+        if nodes == 2:
+            assert "--rdzv-endpoint=node-a:24242" in argv and "--rdzv-id=4242" in argv
+    assert not list(tmp_path.rglob("pwned*"))
+
+
+def test_a_link_planted_at_a_trial_folder_is_not_followed(tmp_path: Path) -> None:
+    """``trial-0`` planted as a link to another folder: the job's spec, script and log go to a
+    folder made fresh, recorded on the trial; the link's target stays empty."""
+    from autotune.launchers import FOLDER_ATTR, SlurmOptions, SlurmRunner
+    from tests.conftest import tiny_spec
+
+    class Attrs:
+        def __init__(self) -> None:
+            self.user_attrs: dict[str, object] = {}
+
+        def set_user_attr(self, key: str, value: object) -> None:
+            self.user_attrs[key] = value
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    work = tmp_path / "runs"
+    work.mkdir()
+    (work / "trial-0").symlink_to(elsewhere)
+    runner = SlurmRunner(work, SlurmOptions(partition="no-such-partition"))
+    trial = Attrs()
+    result = runner.run_for(trial, tiny_spec({}), "trial-0")
+    assert "sbatch refused" in result.error  # submitted (and refused) from the fresh folder
+    folder = trial.user_attrs[FOLDER_ATTR]
+    assert isinstance(folder, str) and folder.startswith("trial-0-")
+    assert (work / folder / "job.sbatch").is_file() and not (work / folder).is_symlink()
+    assert list(elsewhere.iterdir()) == []
