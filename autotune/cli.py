@@ -227,7 +227,8 @@ def _optimize(
             # the machine's fault (a full disk, a lost database), not the input's: exit 1
             fate = fail_running_trials(study, objective.started)
             raise EnvironmentFailure(
-                f"{_one_line(fault)}; {fate}{_kept_note(objective, study.study_name, storage_url)}"
+                f"{_one_line(fault, objective)}; {fate}"
+                f"{_kept_note(objective, study.study_name, storage_url)}"
             ) from None
         except KeyboardInterrupt:
             progress.stop()
@@ -302,14 +303,17 @@ def _storage_fault(exc: BaseException) -> BaseException | None:
     return None
 
 
+def _kept_numbers(objective: Objective) -> list[str]:
+    return [path.stem.split("-")[1] for path in objective.kept()]
+
+
 def _kept_note(objective: Objective, study_name: str, storage_url: str) -> str:
     kept = objective.kept()
     if not kept:
         return ""
-    where = kept[0].parent
     return (
-        f"; the measurement of trial {', '.join(p.stem.split('-')[1] for p in kept)} is kept in "
-        f"{where} and stored by the next run of this study here, e.g."
+        f"; the measurement of trial {', '.join(_kept_numbers(objective))} is kept in "
+        f"{kept[0].parent} and stored by the next run of this study here, e.g."
         f"{resume_hint(study_name, storage_url, '--trials', '0')}"
     )
 
@@ -345,10 +349,13 @@ def _confirm_finalists(study: optuna.Study, runner: TrialRunner, storage_url: st
         console.print(f"re-measured the finalists within the noise of the best: {ran} runs")
 
 
-def _one_line(exc: BaseException) -> str:
+def _one_line(exc: BaseException, objective: Objective | None = None) -> str:
     """A write error of the optimize loop in words: the result, a trial folder, the storage."""
     if isinstance(exc, ResultNotStored):
         return str(exc)
+    kept = _kept_numbers(objective) if objective is not None else []
+    if kept and not isinstance(exc, OSError):
+        return f"could not store trial {', '.join(kept)}'s result: {write_error_reason(exc)}"
     if isinstance(exc, OSError):  # a trial folder or file (a full disk, a read-only folder)
         where = f" {exc.filename}" if exc.filename else ""
         return f"cannot write{where}: {exc.strerror or exc}"

@@ -128,6 +128,14 @@ def connection_lost(exc: BaseException) -> bool:
 _T = TypeVar("_T")
 
 
+class DatabaseFileGone(StorageInternalError):
+    """The study's SQLite file was deleted or replaced while this process had it open: SQLite
+    would go on writing into the deleted file, or create an empty one in its place."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(f"the database file {path} was deleted or replaced while the study ran")
+
+
 class ReconnectingStorage(RDBStorage):
     """Optuna's RDB storage whose calls outlast a database server's restart: a call that fails
     on a lost or refused connection is tried again, the pause doubling from ``RETRY_PAUSE_S``,
@@ -135,8 +143,30 @@ class ReconnectingStorage(RDBStorage):
     a trial another process finished) are raised at once."""
 
     retry_s: float = STORAGE_RETRY_S
+    #: an SQLite study's file and its identity (device, inode) when it was opened
+    sqlite_file: tuple[Path, int, int] | None = None
+
+    def watch_file(self, path: Path) -> None:
+        with contextlib.suppress(OSError):
+            st = path.stat()
+            self.sqlite_file = (path.absolute(), st.st_dev, st.st_ino)
+
+    def _check_file(self) -> None:
+        if self.sqlite_file is None:
+            return
+        path, dev, ino = self.sqlite_file
+        try:
+            st = path.stat()
+            now = (st.st_dev, st.st_ino)
+        except FileNotFoundError:
+            now = None
+        except OSError:
+            return  # unreadable for another reason: SQLite's own error says which
+        if now != (dev, ino):  # raised outside the except: its own words are the reason
+            raise DatabaseFileGone(path)
 
     def _retrying(self, call: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+        self._check_file()
         deadline = time.monotonic() + self.retry_s
         pause = RETRY_PAUSE_S
         failed_before = False
@@ -161,6 +191,7 @@ class ReconnectingStorage(RDBStorage):
         """A heartbeat that cannot be written is skipped (the next one tries again): Optuna's
         heartbeat thread ends, with a traceback, on the first error it meets."""
         with contextlib.suppress(sqlalchemy.exc.SQLAlchemyError, StorageInternalError, OSError):
+            self._check_file()
             RDBStorage.record_heartbeat(self, trial_id)
 
 
@@ -258,6 +289,8 @@ def open_storage(url: str, must_exist: bool = False, read_only: bool = False) ->
         _check_schema(target, engine_kwargs, url)
     storage = _create(target, url, interval, engine_kwargs, read_only)
     storage.retry_s = storage_retry_s()
+    if path is not None:
+        storage.watch_file(path)
     if sqlite and not read_only:
         event.listen(storage.engine, "begin", _begin_immediate)
         storage.engine.dispose()  # connections made before the listener are not reused
