@@ -312,6 +312,7 @@ def test_a_paused_controller_taken_over_keeps_its_measurement_and_goes_on(
     b_dir.mkdir()
     env = _env(AUTOTUNE_STORAGE=pg.url)
     worker = ["worker", "--study", name, "--trials", "2"]
+    b_worker = ["worker", "--study", name, "--trials", "1"]
     a = _autotune(*worker, cwd=a_dir, env=env)
     b: subprocess.Popen[str] | None = None
     rdb = optuna.storages.RDBStorage(pg.url)
@@ -319,7 +320,7 @@ def test_a_paused_controller_taken_over_keeps_its_measurement_and_goes_on(
     try:
         _wait_for("A's first job", lambda: _trial_file(a_dir, "trial-0", "job.pid"), a)
         a.send_signal(signal.SIGSTOP)
-        b = _autotune(*worker, cwd=b_dir, env=env)
+        b = _autotune(*b_worker, cwd=b_dir, env=env)
         _wait_for("B taking trial 0 over", lambda: watched.trials[0].state == TrialState.FAIL, b)
         # A's job is in its own session: it trained on and wrote its result meanwhile
         _wait_for("A's job's result", lambda: _trial_file(a_dir, "trial-0", "result.json"), None)
