@@ -23,6 +23,7 @@ import importlib.util
 import os
 import random
 import sqlite3
+import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -128,6 +129,15 @@ def connection_lost(exc: BaseException) -> bool:
 _T = TypeVar("_T")
 
 
+def _first_line(exc: BaseException) -> str:
+    """The driver's own words under SQLAlchemy's and Optuna's wrappers, masked."""
+    inner: BaseException = exc
+    while inner.__cause__ is not None:
+        inner = inner.__cause__
+    lines = str(getattr(inner, "orig", None) or inner).strip().splitlines()
+    return mask_text(lines[0] if lines else type(inner).__name__)[:200]
+
+
 class DatabaseFileGone(StorageInternalError):
     """The study's SQLite file was deleted or replaced while this process had it open: SQLite
     would go on writing into the deleted file, or create an empty one in its place."""
@@ -145,6 +155,8 @@ class ReconnectingStorage(RDBStorage):
     retry_s: float = STORAGE_RETRY_S
     #: an SQLite study's file and its identity (device, inode) when it was opened
     sqlite_file: tuple[Path, int, int] | None = None
+    #: a lost connection has been said and not yet its return
+    _waiting = False
 
     def watch_file(self, path: Path) -> None:
         with contextlib.suppress(OSError):
@@ -172,7 +184,7 @@ class ReconnectingStorage(RDBStorage):
         failed_before = False
         while True:
             try:
-                return call(self, *args, **kwargs)
+                value = call(self, *args, **kwargs)
             except UpdateFinishedTrialError:
                 # a state change whose commit was lost with the connection, then applied: what
                 # was asked is what the trial has
@@ -183,9 +195,22 @@ class ReconnectingStorage(RDBStorage):
                 left = deadline - time.monotonic()
                 if not connection_lost(exc) or left <= 0:
                     raise
+                if not failed_before and not self._waiting:
+                    self._waiting = True  # one line per outage, on stderr
+                    print(
+                        f"the study's database server is unreachable ({_first_line(exc)}); "
+                        f"trying again for up to {self.retry_s:g} s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 failed_before = True
                 time.sleep(min(pause, left))
                 pause = min(2 * pause, RETRY_PAUSE_MAX_S)
+            else:
+                if self._waiting:
+                    self._waiting = False
+                    print("the study's database server is back", file=sys.stderr, flush=True)
+                return value
 
     def record_heartbeat(self, trial_id: int) -> None:
         """A heartbeat that cannot be written is skipped (the next one tries again): Optuna's

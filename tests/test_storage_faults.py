@@ -94,9 +94,13 @@ def _pending(cwd: Path) -> list[Path]:
     return sorted(cwd.glob(f"autotune_runs/*/{PENDING_DIR}/trial-*.json"))
 
 
+#: what the storage says while it waits for a database server (not an error)
+WAITING = "the study's database server is"
+
+
 def _one_error_line(err: str) -> str:
     assert "Traceback" not in err, err
-    lines = [line for line in err.splitlines() if line.strip()]
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith(WAITING)]
     assert len(lines) == 1 and lines[0].startswith("Error: "), err
     return lines[0]
 
@@ -137,16 +141,22 @@ def test_a_postgresql_restart_mid_trial_is_waited_for_and_the_trial_stored(
     pg: pgserver.Cluster, tmp_path: Path
 ) -> None:
     name = _name("pg-restart")
-    proc = _autotune(
-        *_run_args(pg.url, name, *NO_PROBES), cwd=tmp_path, env=_env(**{STORAGE_RETRY_ENV: "120"})
-    )
+    err_file = tmp_path / "stderr"
+    with open(err_file, "w") as err_out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "autotune.cli", *_run_args(pg.url, name, *NO_PROBES)],
+            cwd=tmp_path, env=_env(**{STORAGE_RETRY_ENV: "300"}), stdout=subprocess.PIPE,
+            stderr=err_out, text=True,
+        )  # fmt: skip
     try:
         _wait_for("trial 0's job", lambda: _trial_file(tmp_path, "trial-0", "job.pid"), proc)
         pg.halt()  # while the job trains: the controller meets it down when it stores the result
-        _wait_for("trial 0's result", lambda: _trial_file(tmp_path, "trial-0", "result.json"), proc)
-        time.sleep(2)
+        _wait_for("the controller to meet the stopped server",
+                  lambda: "unreachable" in err_file.read_text(), proc)  # fmt: skip
+        assert _trial_file(tmp_path, "trial-0", "result.json"), "met before the job's end"
         pg.restart()
-        out, err = proc.communicate(timeout=600)
+        out, _ = proc.communicate(timeout=600)
+        err = err_file.read_text()
     finally:
         if pg.server.poll() is not None:
             pg.restart()
@@ -155,6 +165,8 @@ def test_a_postgresql_restart_mid_trial_is_waited_for_and_the_trial_stored(
             proc.communicate()
     assert proc.returncode == 0, out + err
     assert "Traceback" not in err, err
+    assert "the study's database server is back" in err, err
+    assert pgserver.PASSWORD not in out + err
     (trial,) = _trials(pg.url, name)
     assert trial.state == TrialState.COMPLETE
     measured = _job_result(tmp_path, 0)
