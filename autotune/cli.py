@@ -906,7 +906,8 @@ def resume(
     study = load_existing(open_storage(storage, must_exist=True), study_name)
     settings = _relaunch(study, launcher)
     console.print(f"resuming study '{study_name}': {len(study.trials)} trials so far", markup=False)
-    kept = (workdir_for(study) / PENDING_DIR).is_dir()  # measurements an earlier run kept
+    # measurements an earlier run kept (``autotune.pending``) are stored by ``_optimize``
+    kept = any((workdir_for(study) / PENDING_DIR).glob("trial-*.json"))
     if n_trials or kept or settings.launcher.get("name") == "slurm":
         _optimize(
             study,
