@@ -361,9 +361,10 @@ def test_a_paused_controller_taken_over_keeps_its_measurement_and_goes_on(
     assert kept.user_attrs["tokens_per_s"] == measured["tokens_per_s"]
     shown = subprocess.run(
         [sys.executable, "-m", "autotune.cli", "show", "--study", name],
-        cwd=tmp_path, env=env, capture_output=True, text=True, check=True,
+        cwd=tmp_path, env={**env, "COLUMNS": "300"}, capture_output=True, text=True, check=True,
     )  # fmt: skip
     assert f"its measurement is kept as #{kept.number}" in shown.stdout, shown.stdout
+    assert "(measured for #0)" in shown.stdout, shown.stdout
     # A went on with its next trial: one more job of its own, stored COMPLETE
     (next_dir,) = [p.parent for p in a_dir.glob("autotune_runs/*/trial-*/result.json")
                    if p.parent.name != "trial-0"]  # fmt: skip
