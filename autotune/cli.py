@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -57,6 +58,7 @@ from autotune.launchers import (
 from autotune.lossguard import Prober, ProbeSettings
 from autotune.masking import mask_url, url_secrets
 from autotune.models import check_seq_len, resolve_model
+from autotune.pending import PENDING_DIR, PendingResults
 from autotune.runner import TrialRunner
 from autotune.safe_files import database_files, write_folder
 from autotune.selector import select, selection_json
@@ -169,7 +171,17 @@ def _optimize(
     settings = settings_of(study)
     launched = make_runner(settings.launcher, workdir_for(study), trial_timeout)
     runner = runner_for(settings, launched)
-    objective = Objective(study, space, runner, *_prober(settings, launched))
+    objective = Objective(
+        study,
+        space,
+        runner,
+        *_prober(settings, launched),
+        pending=PendingResults(workdir_for(study) / PENDING_DIR),
+    )
+    # measurements an earlier controller kept on disk (its storage failed, it was stopped)
+    for number, where in objective.replay_pending():
+        kept_as = "" if where == number else f" as trial {where}"
+        console.print(f"stored the kept measurement of trial #{number}{kept_as}", markup=False)
     # Slurm jobs a previous controller left running are collected into their trials
     adopted = (
         adopt(
@@ -210,24 +222,23 @@ def _optimize(
             )
 
         objective.on_result = on_result
-        write_errors: tuple[type[BaseException], ...] = (ResultNotStored, *storage_errors())
         stopping = launched.stopping if isinstance(launched, SlurmRunner) else None
         try:
             with _terminate_as_interrupt(stopping):
                 if n_trials:
-                    study.optimize(
-                        objective,
-                        n_trials=n_trials,
-                        timeout=timeout,
-                        catch=(TrialCrashed,),
-                        n_jobs=concurrency(settings.launcher),
-                    )
+                    _optimize_loop(study, objective, n_trials, timeout, settings.launcher)
                 adopted.join()
-        except write_errors as exc:
+        except Exception as exc:
+            fault = _storage_fault(exc)
+            if fault is None:
+                raise
             progress.stop()
             # the machine's fault (a full disk, a lost database), not the input's: exit 1
             fate = fail_running_trials(study, objective.started)
-            raise EnvironmentFailure(f"{_one_line(exc)}; {fate}") from None
+            raise EnvironmentFailure(
+                f"{_one_line(fault, objective)}; {fate}"
+                f"{_kept_note(objective, study.study_name, storage_url)}"
+            ) from None
         except KeyboardInterrupt:
             progress.stop()
             # plain echo, not rich: the command must stay one line, exactly as printed
@@ -237,8 +248,83 @@ def _optimize(
                 err=True,
             )
             sys.exit(130)
+        if objective.interrupted:
+            progress.stop()
+            click.echo(
+                f"interrupted ({objective.interrupted}) while a loss probe ran; the trial's "
+                "measurement is stored, its loss not judged. Resume with"
+                f"{resume_hint(study.study_name, storage_url)}",
+                err=True,
+            )
+            sys.exit(130)
     if confirm and not worker and settings.backend != "estimate":
         _confirm_finalists(study, launched, storage_url)
+
+
+def _optimize_loop(
+    study: optuna.Study,
+    objective: Objective,
+    n_trials: int,
+    timeout: float | None,
+    launcher: dict[str, Any],
+) -> None:
+    """``study.optimize``, going on after a trial that another worker took over while this
+    controller was paused (Optuna raises on telling it; its measurement is already stored as a
+    new trial, ``Objective.rescue``)."""
+    start = time.monotonic()
+    while True:
+        left = None if timeout is None else timeout - (time.monotonic() - start)
+        n = n_trials - len(objective.started)
+        if n <= 0 or (left is not None and left <= 0):
+            return
+        seen = len(objective.taken_over)
+        try:
+            study.optimize(
+                objective,
+                n_trials=n,
+                timeout=left,
+                catch=(TrialCrashed,),
+                n_jobs=concurrency(launcher),
+                callbacks=[objective.after_trial],
+            )
+            return
+        except Exception as exc:
+            if _storage_fault(exc) is not None:
+                raise
+            objective.rescue()
+            if len(objective.taken_over) == seen:
+                raise
+            for taken in objective.taken_over[seen:]:
+                console.print(f"{taken}; going on", style="yellow", markup=False)
+
+
+def _storage_fault(exc: BaseException) -> BaseException | None:
+    """The storage error behind ``exc``: Optuna, failing to tell a trial, may raise another
+    error from its own clean-up (an ``UnboundLocalError``, ``AssertionError: Should not
+    reach.``) with the storage's error as its context."""
+    seen: set[int] = set()
+    inner: BaseException | None = exc
+    while inner is not None and id(inner) not in seen:
+        seen.add(id(inner))
+        if isinstance(inner, (ResultNotStored, *storage_errors())):
+            return inner
+        inner = inner.__cause__ or inner.__context__
+    return None
+
+
+def _kept_numbers(objective: Objective) -> list[str]:
+    return [path.stem.split("-")[1] for path in objective.kept()]
+
+
+def _kept_note(objective: Objective, study_name: str, storage_url: str) -> str:
+    kept = objective.kept()
+    if not kept:
+        return ""
+    return (
+        f"; the measurement of trial {', '.join(_kept_numbers(objective))} is kept in "
+        f"{kept[0].parent} and stored by the next run of this study here, e.g."
+        f"{resume_hint(study_name, storage_url, '--trials', '0')}"
+    )
 
 
 def _prober(settings: StudySettings, real: TrialRunner) -> tuple[Prober | None, str]:
@@ -272,10 +358,13 @@ def _confirm_finalists(study: optuna.Study, runner: TrialRunner, storage_url: st
         console.print(f"re-measured the finalists within the noise of the best: {ran} runs")
 
 
-def _one_line(exc: BaseException) -> str:
+def _one_line(exc: BaseException, objective: Objective | None = None) -> str:
     """A write error of the optimize loop in words: the result, a trial folder, the storage."""
     if isinstance(exc, ResultNotStored):
         return str(exc)
+    kept = _kept_numbers(objective) if objective is not None else []
+    if kept and not isinstance(exc, OSError):
+        return f"could not store trial {', '.join(kept)}'s result: {write_error_reason(exc)}"
     if isinstance(exc, OSError):  # a trial folder or file (a full disk, a read-only folder)
         where = f" {exc.filename}" if exc.filename else ""
         return f"cannot write{where}: {exc.strerror or exc}"
@@ -305,6 +394,15 @@ def resume_hint(study_name: str, storage_url: str, *extra: str) -> str:
     return f"{note}: {shell_line(['autotune', 'resume', *where, *extra])}"
 
 
+class Interrupted(KeyboardInterrupt):
+    """A ``KeyboardInterrupt`` that names its signal (``SIGTERM``, or ``Ctrl-C`` for SIGINT),
+    for the reason stored on the trial it stopped (``autotune.study.interrupt_name``)."""
+
+    def __init__(self, signal_name: str) -> None:
+        super().__init__(signal_name)
+        self.signal_name = signal_name
+
+
 @contextlib.contextmanager
 def _terminate_as_interrupt(stopping: threading.Event | None = None) -> Iterator[None]:
     """SIGTERM (``kill``, a scheduler's stop) ends trials as cleanly as Ctrl-C does; both set
@@ -313,7 +411,7 @@ def _terminate_as_interrupt(stopping: threading.Event | None = None) -> Iterator
     def interrupt(signum: int, frame: object) -> None:
         if stopping is not None:
             stopping.set()
-        raise KeyboardInterrupt
+        raise Interrupted(signal.Signals(signum).name if signum != signal.SIGINT else "Ctrl-C")
 
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -819,7 +917,9 @@ def resume(
     study = load_existing(open_storage(storage, must_exist=True), study_name)
     settings = _relaunch(study, launcher)
     console.print(f"resuming study '{study_name}': {len(study.trials)} trials so far", markup=False)
-    if n_trials or settings.launcher.get("name") == "slurm":
+    # measurements an earlier run kept (``autotune.pending``) are stored by ``_optimize``
+    kept = any((workdir_for(study) / PENDING_DIR).glob("trial-*.json"))
+    if n_trials or kept or settings.launcher.get("name") == "slurm":
         _optimize(
             study,
             SearchSpace.from_dict(settings.space, "study"),
@@ -827,7 +927,7 @@ def resume(
             timeout,
             trial_timeout,
             storage,
-            confirm=n_trials > 0,  # --trials 0 only collects the jobs left running
+            confirm=n_trials > 0,  # --trials 0 only collects what earlier runs left
         )
     _report(study, storage, table=table)
     if ladder:

@@ -97,6 +97,8 @@ def results_table(sel: Selection, title: str = "trials") -> Table:
             status += f" (=#{r.duplicate_of})"
         if r.retry_of is not None:
             status += f" (retry of #{r.retry_of})"
+        if r.recovered_from is not None:
+            status += f" (measured for #{r.recovered_from})"
         mark = " ★" if sel.winner is not None and r.number == sel.winner.number else ""
         table.add_row(
             f"{r.number}{mark}",
@@ -115,10 +117,13 @@ def results_table(sel: Selection, title: str = "trials") -> Table:
 def print_failures(console: Console, rows: list[Row]) -> None:
     """Why each failed trial failed, with the last line of its job's stderr."""
     retried = {r.retry_of: r.number for r in rows if r.retry_of is not None}
+    kept = {r.recovered_from: r.number for r in rows if r.recovered_from is not None}
     for r in rows:
         if r.status != "failed":
             continue
         again = f"; run again as #{retried[r.number]}" if r.number in retried else ""
+        if r.number in kept:
+            again += f"; its measurement is kept as #{kept[r.number]}"
         console.print(f"[magenta]#{r.number} failed[/magenta]: {escape(r.error)}{again}")
         last = next((ln for ln in reversed(r.stderr_tail.splitlines()) if ln.strip()), "")
         if last:

@@ -69,6 +69,9 @@ class Row:
     predicted: bool = False
     stderr_tail: str = ""
     retry_of: int | None = None  # the trial whose controller died, run again as this one
+    #: the trial whose measurement this one holds (taken over while its controller was paused,
+    #: or stored from the measurements a failed storage left on disk: ``autotune.pending``)
+    recovered_from: int | None = None
     rank_peaks: list[int] | None = None  # each rank's peak in a multi-process trial
     #: host memory: measured peak RSS, or predicted (estimate backend); studies recorded before
     #: RSS was measured fall back to the offloaded bytes of the breakdown
@@ -231,6 +234,7 @@ def rows_of(study: optuna.Study) -> list[Row]:
                 predicted=bool(a.get("predicted", False)),
                 stderr_tail=a.get("stderr_tail") or "",
                 retry_of=(t.system_attrs.get("retry_history") or [None])[-1],
+                recovered_from=_trial_number(a.get("recovered_from")),
                 rank_peaks=a.get("rank_peaks") or None,
                 host_peak_bytes=int(
                     a.get("host_peak_bytes") or breakdown.get("host_offloaded") or 0
@@ -368,6 +372,11 @@ def verdict_text(row: Row) -> str:
         return f"matches the reference to {v.regression:.0e} per step ({result} {v.tolerance:.0e})"
     noise = f" ±{v.noise:.2%} seed noise" if v.noise is not None else ""
     return f"{v.regression:+.2%}{noise} on a probe, {result} tolerance {v.tolerance:.0%} ({v.note})"
+
+
+def _trial_number(value: Any) -> int | None:
+    """A trial number another trial's attr names (None for anything else another tool wrote)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def selection_json(study: optuna.Study) -> dict[str, Any]:

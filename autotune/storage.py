@@ -8,23 +8,32 @@ SQLite: every transaction starts with ``BEGIN IMMEDIATE`` so two processes never
 read lock and then deadlock on upgrading it ("database is locked" without waiting); the busy
 timeout then makes each writer wait its turn. PostgreSQL: a plain ``postgresql://`` URL uses
 psycopg 3 when psycopg2 is not installed.
+
+A database server that restarts or drops the connection is waited for: every storage call of a
+study opened here is tried again, with a growing pause, for up to ``storage_retry_s()`` seconds
+while the fault is a lost or refused connection (``ReconnectingStorage``); the pool checks each
+connection before use (``pool_pre_ping``), so the first call after a restart does not fail on a
+connection the server has closed. A heartbeat that cannot be written is skipped, not raised.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import random
 import sqlite3
+import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import parse_qs, quote
 
 import sqlalchemy
 import sqlalchemy.exc
-from optuna.exceptions import ExperimentalWarning
+from optuna.exceptions import ExperimentalWarning, StorageInternalError, UpdateFinishedTrialError
 from optuna.storages import RDBStorage, RetryHeartbeatStaleTrialCallback
 from sqlalchemy import event
 from sqlalchemy.engine import make_url
@@ -46,6 +55,32 @@ OPTUNA_TABLES = frozenset({"studies", "trials", "version_info", "alembic_version
 #: tries at creating a new database's schema: two first runs at once race on it
 SCHEMA_TRIES = 5
 SQLITE_MAGIC = b"SQLite format 3\x00"
+#: seconds a storage call waits, trying again, for a database server whose connection was lost
+STORAGE_RETRY_S = 60.0
+#: overrides STORAGE_RETRY_S (0: no retry)
+STORAGE_RETRY_ENV = "AUTOTUNE_STORAGE_RETRY_S"
+#: the first pause between tries; it doubles up to RETRY_PAUSE_MAX_S
+RETRY_PAUSE_S = 0.25
+RETRY_PAUSE_MAX_S = 5.0
+#: words of the drivers' messages for a connection that is gone or cannot be made (psycopg,
+#: PostgreSQL's own shutdown and start-up messages)
+_CONNECTION_WORDS = (
+    "server closed the connection",
+    "connection refused",
+    "could not connect",
+    "connection is closed",
+    "connection already closed",
+    "connection to server",
+    "terminating connection",
+    "the database system is shutting down",
+    "the database system is starting up",
+    "the database system is in recovery mode",
+    "consuming input failed",
+    "ssl syscall error",
+    "broken pipe",
+    "connection reset",
+    "connection timed out",
+)
 
 
 def heartbeat_interval() -> int:
@@ -59,6 +94,157 @@ def heartbeat_interval() -> int:
     if value < 1:
         raise UserError(f"{HEARTBEAT_ENV}={raw!r}: use a whole number of seconds >= 1")
     return value
+
+
+def storage_retry_s() -> float:
+    raw = os.environ.get(STORAGE_RETRY_ENV, "")
+    if not raw:
+        return STORAGE_RETRY_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise UserError(f"{STORAGE_RETRY_ENV}={raw!r}: use a number of seconds >= 0")
+    return value
+
+
+def connection_lost(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what it wraps) is a lost or refused connection to a database server:
+    the fault a retry can outlast, unlike a full disk, a missing table or a bad value."""
+    seen: set[int] = set()
+    inner: BaseException | None = exc
+    while inner is not None and id(inner) not in seen:
+        seen.add(id(inner))
+        if isinstance(inner, sqlalchemy.exc.DBAPIError) and inner.connection_invalidated:
+            return True
+        if isinstance(inner, sqlalchemy.exc.OperationalError | sqlalchemy.exc.InterfaceError):
+            low = str(inner).lower()
+            if any(words in low for words in _CONNECTION_WORDS):
+                return True
+        inner = inner.__cause__ or inner.__context__
+    return False
+
+
+_T = TypeVar("_T")
+
+
+def _first_line(exc: BaseException) -> str:
+    """The driver's own words under SQLAlchemy's and Optuna's wrappers, masked."""
+    inner: BaseException = exc
+    while inner.__cause__ is not None:
+        inner = inner.__cause__
+    lines = str(getattr(inner, "orig", None) or inner).strip().splitlines()
+    return mask_text(lines[0] if lines else type(inner).__name__)[:200]
+
+
+class DatabaseFileGone(StorageInternalError):
+    """The study's SQLite file was deleted or replaced while this process had it open: SQLite
+    would go on writing into the deleted file, or create an empty one in its place."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(f"the database file {path} was deleted or replaced while the study ran")
+
+
+class ReconnectingStorage(RDBStorage):
+    """Optuna's RDB storage whose calls outlast a database server's restart: a call that fails
+    on a lost or refused connection is tried again, the pause doubling from ``RETRY_PAUSE_S``,
+    until ``retry_s`` seconds have passed; then its error is raised. Other faults (a full disk,
+    a trial another process finished) are raised at once."""
+
+    retry_s: float = STORAGE_RETRY_S
+    #: an SQLite study's file and its identity (device, inode) when it was opened
+    sqlite_file: tuple[Path, int, int] | None = None
+    #: a lost connection has been said and not yet its return
+    _waiting = False
+
+    def watch_file(self, path: Path) -> None:
+        with contextlib.suppress(OSError):
+            st = path.stat()
+            self.sqlite_file = (path.absolute(), st.st_dev, st.st_ino)
+
+    def _check_file(self) -> None:
+        if self.sqlite_file is None:
+            return
+        path, dev, ino = self.sqlite_file
+        try:
+            st = path.stat()
+            now = (st.st_dev, st.st_ino)
+        except FileNotFoundError:
+            now = None
+        except OSError:
+            return  # unreadable for another reason: SQLite's own error says which
+        if now != (dev, ino):  # raised outside the except: its own words are the reason
+            raise DatabaseFileGone(path)
+
+    def _retrying(self, call: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+        self._check_file()
+        deadline = time.monotonic() + self.retry_s
+        pause = RETRY_PAUSE_S
+        failed_before = False
+        while True:
+            try:
+                value = call(self, *args, **kwargs)
+            except UpdateFinishedTrialError:
+                # a state change whose commit was lost with the connection, then applied: what
+                # was asked is what the trial has
+                if failed_before and call is RDBStorage.set_trial_state_values:
+                    return True  # type: ignore[return-value]
+                raise
+            except (sqlalchemy.exc.SQLAlchemyError, StorageInternalError) as exc:
+                left = deadline - time.monotonic()
+                if not connection_lost(exc) or left <= 0:
+                    raise
+                if not failed_before and not self._waiting:
+                    self._waiting = True  # one line per outage, on stderr
+                    print(
+                        f"the study's database server is unreachable ({_first_line(exc)}); "
+                        f"trying again for up to {self.retry_s:g} s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                failed_before = True
+                time.sleep(min(pause, left))
+                pause = min(2 * pause, RETRY_PAUSE_MAX_S)
+            else:
+                if self._waiting:
+                    self._waiting = False
+                    print("the study's database server is back", file=sys.stderr, flush=True)
+                return value
+
+    def record_heartbeat(self, trial_id: int) -> None:
+        """A heartbeat that cannot be written is skipped (the next one tries again): Optuna's
+        heartbeat thread ends, with a traceback, on the first error it meets."""
+        with contextlib.suppress(sqlalchemy.exc.SQLAlchemyError, StorageInternalError, OSError):
+            self._check_file()
+            RDBStorage.record_heartbeat(self, trial_id)
+
+
+#: the calls of RDBStorage that reach the database, each tried again on a lost connection
+_RETRIED = (
+    "create_new_study", "delete_study", "set_study_user_attr", "set_study_system_attr",
+    "get_study_id_from_name", "get_study_name_from_id", "get_study_directions",
+    "get_study_user_attrs", "get_study_system_attrs", "get_trial_user_attrs",
+    "get_trial_system_attrs", "get_all_studies", "create_new_trial", "set_trial_param",
+    "get_trial_param", "set_trial_state_values", "set_trial_intermediate_value",
+    "set_trial_user_attr", "set_trial_system_attr", "get_trial_id_from_study_id_trial_number",
+    "get_trial", "get_all_trials", "get_best_trial", "_get_stale_trial_ids",
+)  # fmt: skip
+
+
+def _retried(name: str) -> Callable[..., Any]:
+    call = getattr(RDBStorage, name)
+
+    def method(self: ReconnectingStorage, *args: Any, **kwargs: Any) -> Any:
+        return self._retrying(call, *args, **kwargs)
+
+    method.__name__ = name
+    method.__doc__ = call.__doc__
+    return method
+
+
+for _name in _RETRIED:
+    setattr(ReconnectingStorage, _name, _retried(_name))
 
 
 def driver_url(url: str) -> str:
@@ -133,12 +319,18 @@ def open_storage(url: str, must_exist: bool = False, read_only: bool = False) ->
         engine_kwargs = {
             "connect_args": {"timeout": SQLITE_BUSY_TIMEOUT_S, "isolation_level": None}
         }
+    else:
+        # a pooled connection the server closed (a restart) is replaced before use
+        engine_kwargs["pool_pre_ping"] = True
     if read_only:
         engine_kwargs = _read_only_engine_kwargs(target, path)
         if path is not None:  # the creator opens the file read-only; the URL's query is moot
             target = target.partition("?")[0]
         _check_schema(target, engine_kwargs, url)
     storage = _create(target, url, interval, engine_kwargs, read_only)
+    storage.retry_s = storage_retry_s()
+    if path is not None:
+        storage.watch_file(path)
     if sqlite and not read_only:
         event.listen(storage.engine, "begin", _begin_immediate)
         storage.engine.dispose()  # connections made before the listener are not reused
@@ -147,13 +339,13 @@ def open_storage(url: str, must_exist: bool = False, read_only: bool = False) ->
 
 def _create(
     target: str, url: str, interval: int, engine_kwargs: dict[str, Any], read_only: bool
-) -> RDBStorage:
+) -> ReconnectingStorage:
     """Optuna's RDBStorage; a first run racing another on a new database tries again."""
     for attempt in range(SCHEMA_TRIES):
         try:
             with warnings.catch_warnings():  # Optuna calls heartbeats experimental; we rely on them
                 warnings.simplefilter("ignore", ExperimentalWarning)
-                return RDBStorage(
+                return ReconnectingStorage(
                     target,
                     heartbeat_interval=interval,
                     grace_period=GRACE_FACTOR * interval,

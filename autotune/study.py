@@ -19,11 +19,15 @@ from pathlib import Path
 from typing import Any
 
 import optuna
+from optuna.distributions import distribution_to_json, json_to_distribution
+from optuna.exceptions import UpdateFinishedTrialError
 from optuna.storages import RDBStorage
+from optuna.study._constrained_optimization import _CONSTRAINTS_KEY
 from optuna.trial import FrozenTrial, TrialState
 
 from autotune.errors import UserError
-from autotune.lossguard import Prober, judge
+from autotune.lossguard import LossVerdict, Prober, judge
+from autotune.pending import Held, PendingResults
 from autotune.runner import TrialRunner
 from autotune.space import SearchSpace
 from autotune.terminal import printable
@@ -408,6 +412,8 @@ def wait_for_earlier_same(study: optuna.Study, number: int, config: dict[str, An
         optuna.storages.fail_stale_trials(study)
 
 
+_UNSET = object()
+
 _RESULT_ATTRS = (
     "status",
     "peak_bytes",
@@ -504,8 +510,35 @@ def fail_running_trials(study: optuna.Study, numbers: list[int], attempts: int =
     return "; ".join(words) or "no trial was left running"
 
 
+class TakenOver(Exception):
+    """This controller's trial was failed by another process while this one was stopped or
+    paused past its heartbeat's grace (Optuna then lets no one tell it); its measurement, if
+    it had one, is stored as a new trial (``recovered_from``)."""
+
+    def __init__(self, number: int, recorded_as: int | None) -> None:
+        kept = "" if recorded_as is None else f"; its measurement is stored as trial {recorded_as}"
+        super().__init__(f"trial {number} was taken over by another worker while this one was "
+                         f"paused{kept}")  # fmt: skip
+        self.number = number
+        self.recorded_as = recorded_as
+
+
+#: user attr of a trial that holds the measurement of another (a taken-over trial's number)
+RECOVERED_FROM_ATTR = "recovered_from"
+
+
+def interrupt_name(exc: BaseException) -> str:
+    """The signal a ``KeyboardInterrupt`` stands for (the CLI's handler names SIGTERM)."""
+    return str(getattr(exc, "signal_name", "") or "Ctrl-C")
+
+
 class Objective:
-    """Sample a config, run it (or reuse an identical finished trial), record it."""
+    """Sample a config, run it (or reuse an identical finished trial), record it.
+
+    With ``pending`` each finished measurement is first kept on local disk
+    (``autotune.pending``) and removed once the trial is stored; ``replay_pending`` stores
+    those a failed storage, a stopped or a paused controller left there.
+    """
 
     def __init__(
         self,
@@ -514,6 +547,7 @@ class Objective:
         runner: TrialRunner,
         prober: Prober | None = None,
         no_probe_why: str = "",
+        pending: PendingResults | None = None,
     ) -> None:
         self.study = study
         self.space = space
@@ -521,13 +555,40 @@ class Objective:
         self.settings = settings_of(study)
         self.prober = prober  # lossy numerics are judged on a proxy (autotune/lossguard.py)
         self.no_probe_why = no_probe_why
+        self.pending = pending
         self.on_result: Callable[[FrozenTrial | optuna.Trial, TrialResult], None] | None = None
         #: the trials this objective started (``--in-flight``: several threads at once); after a
         #: write error those still RUNNING are failed (``fail_running_trials``)
         self.started: list[int] = []
+        #: the signal that stopped a loss probe ("SIGTERM", "Ctrl-C"); the study is then stopped
+        #: after that trial is stored
+        self.interrupted = ""
+        #: trials another process took over while this one was paused, and where their
+        #: measurements went (``TakenOver``)
+        self.taken_over: list[TakenOver] = []
+        self._held: dict[int, Held] = {}
+        #: each running trial's measurement, as it will be stored (``_judged``)
+        self._records: dict[int, dict[str, Any]] = {}
 
     def __call__(self, trial: optuna.Trial) -> tuple[float, float]:
         self.started.append(trial.number)
+        try:
+            return self._run(trial)
+        except UpdateFinishedTrialError:
+            # another process failed this trial while this one was paused past its heartbeat's
+            # grace: what it measured goes into a new trial, and this controller goes on
+            record = self._records.pop(trial.number, None)
+            recorded = None
+            if record is not None:
+                if record["values"] is None:
+                    self._judged(record, TrialResult.from_dict(record["user_attrs"]))
+                recorded = self._add_trial(record)
+            self._forget(trial.number)
+            taken = TakenOver(trial.number, recorded)
+            self.taken_over.append(taken)
+            raise taken from None
+
+    def _run(self, trial: optuna.Trial) -> tuple[float, float]:
         config = self.space.sample(trial.suggest_categorical)  # type: ignore[arg-type]
         trial.set_user_attr("config", config)
         trial.set_user_attr("fidelity", fidelity_class(config))
@@ -543,6 +604,7 @@ class Objective:
         earlier = (
             None if is_reference else find_duplicate(self.study, config, need_true_peak=unbounded)
         )
+        extra: dict[str, Any] = {}
         if earlier is not None:
             result = TrialResult.from_dict(
                 {
@@ -551,7 +613,7 @@ class Objective:
                     if earlier.user_attrs.get(k) is not None
                 }
             )
-            trial.set_user_attr("duplicate_of", earlier.number)
+            extra["duplicate_of"] = earlier.number
         else:
             # The reference must produce a loss curve even if it does not fit: it runs unbounded
             # and is judged against the budget afterwards.
@@ -560,9 +622,11 @@ class Objective:
                 result = self.runner.run_for(
                     trial, self.settings.spec(config, budget), f"trial-{trial.number}"
                 )
-            except KeyboardInterrupt:  # the runner has killed the job; say so on the trial
+            except KeyboardInterrupt as exc:  # the runner has killed the job; say so on the trial
                 trial.set_user_attr("status", "failed")
-                trial.set_user_attr("error", "interrupted (Ctrl-C); its job was stopped")
+                trial.set_user_attr(
+                    "error", f"interrupted ({interrupt_name(exc)}); its job was stopped"
+                )
                 raise
             if (
                 unbounded
@@ -571,46 +635,92 @@ class Objective:
             ):
                 result.status = "oom"
                 result.error = f"{role} ran unbounded; its peak is over the budget"
+        attrs = {
+            **{k: v for k, v in trial.user_attrs.items() if k not in _RESULT_ATTRS},
+            **extra,
+            "config": config,
+            "fidelity": fidelity_class(config),
+            **{key: getattr(result, key) for key in _RESULT_ATTRS},
+            **self.runner.attrs_for(result),
+        }
+        crashed = result.status == "failed" and not deterministic_failure(result)
+        record: dict[str, Any] = {
+            "number": trial.number,
+            "params": trial.params,
+            "distributions": {k: distribution_to_json(d) for k, d in trial.distributions.items()},
+            "user_attrs": attrs,
+            "role": role or "",
+            "values": None,
+        }
+        if not crashed:
+            self._records[trial.number] = record
+        if self.pending is not None and not crashed:
+            # the measurement is safe on local disk before anything is written to the storage
+            self._held[trial.number] = held = self.pending.hold(trial.number)
+            held.save(record)
         try:
-            for key in _RESULT_ATTRS:
-                trial.set_user_attr(key, getattr(result, key))
-            for key, value in self.runner.attrs_for(result).items():
-                trial.set_user_attr(key, value)
+            current = trial.user_attrs
+            for key, value in attrs.items():
+                if current.get(key, _UNSET) != value:
+                    trial.set_user_attr(key, value)
         except storage_errors() as exc:
             reason = write_error_reason(exc)
-            with contextlib.suppress(*storage_errors()):  # as much as the storage still takes
-                trial.set_user_attr("status", "failed")
+            with contextlib.suppress(*storage_errors(), UpdateFinishedTrialError):
+                trial.set_user_attr("status", "failed")  # as much as the storage still takes
                 trial.set_user_attr("error", f"result not stored: {reason}")
             raise ResultNotStored(trial.number, reason) from exc
         if self.on_result:
             self.on_result(trial, result)
-        if result.status == "failed" and not deterministic_failure(result):
+        if crashed:
             raise TrialCrashed(result.error)
+        self._judged(record, result)
+        if self.pending is not None:
+            self._held[trial.number].save(record)
+        self._apply(record, trial)
+        values = record["values"]
+        return values[0], values[1]
+
+    def _judged(self, record: dict[str, Any], result: TrialResult) -> None:
+        """Fill ``record`` with the loss verdict, the constraints and the objective values."""
+        attrs = record["user_attrs"]
+        config, role = attrs["config"], record["role"]
+        is_reference = role == "reference"
         if result.status == "failed":
             # The same configuration would fail again: a completed trial that violates the
             # ``failed`` constraint, so every sampler sees it as infeasible and autotune's never
             # proposes it again (an identical proposal reuses this result: find_duplicate).
-            return self._constrain(trial, memory=0.0, loss=0.0, failed=1.0, result=result)
-        if is_reference and result.losses:
-            self.study.set_user_attr("reference_losses", result.losses)
-            self.study.set_user_attr("reference_trial", trial.number)
+            self._constrain(record, memory=0.0, loss=0.0, failed=1.0, result=result)
+            return
         verdict = None
         if result.status == "ok":
-            verdict = judge(
-                config,
-                result.losses,
-                is_reference=is_reference,
-                reference=reference_losses(self.study),
-                no_reference_why="" if is_reference else no_reference_why(self.study),
-                prober=self.prober,
-                no_probe_why=self.no_probe_why,
-                tolerance=self.settings.loss_tolerance,
-            )
+            try:
+                verdict = judge(
+                    config,
+                    result.losses,
+                    is_reference=is_reference,
+                    reference=reference_losses(self.study),
+                    no_reference_why="" if is_reference else no_reference_why(self.study),
+                    prober=self.prober,
+                    no_probe_why=self.no_probe_why,
+                    tolerance=self.settings.loss_tolerance,
+                )
+            except KeyboardInterrupt as exc:
+                # stopped while its loss probe ran (the probe's job is killed): the measurement
+                # is kept, unjudged and saying so, and the study stops after storing it
+                self.interrupted = interrupt_name(exc)
+                with contextlib.suppress(RuntimeError):  # outside optimize (a replay): no loop
+                    self.study.stop()
+                verdict = LossVerdict(
+                    "none",
+                    None,
+                    note=f"not judged: interrupted ({self.interrupted}) while its loss probe "
+                    "ran; the measurement is kept",
+                )
             # the one stored verdict: selector, ladder, report and strategy read it from here
-            trial.set_user_attr("loss_verdict", verdict.to_attrs())
+            attrs["loss_verdict"] = verdict.to_attrs()
             if verdict.regression is not None:
-                trial.set_user_attr("loss_regression", verdict.regression)
-                trial.set_user_attr("loss_tolerance", verdict.tolerance)
+                attrs["loss_regression"] = verdict.regression
+                attrs["loss_tolerance"] = verdict.tolerance
         budget = self.settings.budget_bytes
         over = (
             (result.peak_bytes - budget) / budget
@@ -624,22 +734,150 @@ class Objective:
             and verdict.tolerance is not None
             else 0.0
         )
-        return self._constrain(
-            trial, memory=over, loss=min(loss_violation, 1e6), failed=0.0, result=result
+        self._constrain(
+            record, memory=over, loss=min(loss_violation, 1e6), failed=0.0, result=result
         )
 
+    def _apply(self, record: dict[str, Any], trial: optuna.Trial | None = None) -> None:
+        """Write a judged record's attrs, constraints and the study's reference curve into its
+        own trial (still RUNNING); the caller tells its values."""
+        number = record["number"]
+        storage = self.study._storage
+        trial_id = (
+            trial._trial_id
+            if trial is not None
+            else storage.get_trial_id_from_study_id_trial_number(self.study._study_id, number)
+        )
+        current = storage.get_trial(trial_id)
+        for key, value in record["user_attrs"].items():
+            if current.user_attrs.get(key, _UNSET) != value:
+                storage.set_trial_user_attr(trial_id, key, value)
+        for name, value in record["constraints"].items():
+            key = f"{_CONSTRAINTS_KEY}:{name}"
+            if current.system_attrs.get(key, _UNSET) != value:
+                storage.set_trial_system_attr(trial_id, key, value)
+        self._reference(record, number)
+
+    def _reference(self, record: dict[str, Any], number: int) -> None:
+        losses = record["user_attrs"].get("losses")
+        status = record["user_attrs"].get("status")
+        if record["role"] == "reference" and losses and status != "failed":
+            self.study.set_user_attr("reference_losses", losses)
+            self.study.set_user_attr("reference_trial", number)
+
+    def _add_trial(self, record: dict[str, Any]) -> int:
+        """A judged record as a new COMPLETE trial (its own was finished by another process):
+        the same parameters, attrs, constraints and values, and ``recovered_from``."""
+        distributions = {k: json_to_distribution(d) for k, d in record["distributions"].items()}
+        frozen = optuna.trial.create_trial(
+            state=TrialState.COMPLETE,
+            params=record["params"],
+            distributions=distributions,
+            values=record["values"],
+            user_attrs={
+                **{k: v for k, v in record["user_attrs"].items() if k != "role"},
+                RECOVERED_FROM_ATTR: record["number"],
+            },
+            system_attrs={f"{_CONSTRAINTS_KEY}:{k}": v for k, v in record["constraints"].items()},
+        )
+        storage = self.study._storage
+        trial_id = storage.create_new_trial(self.study._study_id, template_trial=frozen)
+        number = storage.get_trial_number_from_id(trial_id)
+        self._reference(record, number)
+        return number
+
+    def _forget(self, number: int) -> None:
+        self._records.pop(number, None)
+        held = self._held.pop(number, None)
+        if held is not None:
+            held.done()
+
+    def after_trial(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        """Optuna's callback once a trial is told: its measurement is stored."""
+        if trial.state.is_finished():
+            self._forget(trial.number)
+
+    def rescue(self) -> list[TakenOver]:
+        """After ``optimize`` raised: the measurements of this controller's trials that another
+        process failed meanwhile (Optuna's tell then raises), each stored as a new trial."""
+        rescued = []
+        for number, record in list(self._records.items()):
+            trial_id = self.study._storage.get_trial_id_from_study_id_trial_number(
+                self.study._study_id, number
+            )
+            if self.study._storage.get_trial(trial_id).state != TrialState.FAIL:
+                continue
+            if record["values"] is None:
+                self._judged(record, TrialResult.from_dict(record["user_attrs"]))
+            rescued.append(TakenOver(number, self._add_trial(record)))
+            self._forget(number)
+        self.taken_over += rescued
+        return rescued
+
+    def kept(self) -> list[Path]:
+        """The files of measurements this controller could not store."""
+        return [held.path for held in self._held.values() if held.path.exists()]
+
+    def replay_pending(self) -> list[tuple[int, int]]:
+        """Store the measurements earlier controllers of this study kept on disk (their storage
+        failed, or they were stopped before storing them): into their own trial where it is still
+        RUNNING, else as a new trial. Returns (trial, where it is now) for each one stored."""
+        if self.pending is None:
+            return []
+        done = []
+        for held in self.pending.waiting():
+            try:
+                record = held.load()
+                if record is None:
+                    held.done()  # half-written by a process that died mid-write: nothing in it
+                    continue
+                number = int(record["number"])
+                where = self._replay(record)
+                if where is not None:
+                    done.append((number, where))
+                held.done()
+            finally:
+                held.release()
+        return done
+
+    def _replay(self, record: dict[str, Any]) -> int | None:
+        number = int(record["number"])
+        trial = self.study._storage.get_trial(
+            self.study._storage.get_trial_id_from_study_id_trial_number(
+                self.study._study_id, number
+            )
+        )
+        if trial.state == TrialState.COMPLETE:
+            return None  # stored before its controller stopped
+        if record.get("values") is None:
+            self._judged(record, TrialResult.from_dict(record["user_attrs"]))
+        if trial.state == TrialState.RUNNING:
+            try:
+                self._apply(record)
+                self.study.tell(number, record["values"])
+                return number
+            except (UpdateFinishedTrialError, ValueError):
+                pass  # another process failed it meanwhile (a stale heartbeat)
+        return self._add_trial(record)
+
     def _constrain(
-        self, trial: optuna.Trial, *, memory: float, loss: float, failed: float, result: TrialResult
-    ) -> tuple[float, float]:
-        # <= 0 is feasible; the sampler reads these from the trial (Optuna's set_constraint)
+        self,
+        record: dict[str, Any],
+        *,
+        memory: float,
+        loss: float,
+        failed: float,
+        result: TrialResult,
+    ) -> None:
+        # <= 0 is feasible; the sampler reads these from the trial (Optuna's constraints, as
+        # ``Trial.set_constraint`` stores them)
         constraints = {"memory": memory, "loss": loss, "failed": failed}
-        for name, value in constraints.items():
-            trial.set_constraint(name, value)
+        record["constraints"] = constraints
         # optuna-dashboard (0.21) shows only the old list format of constraints: a copy as a
         # user attr makes feasibility visible there without counting any constraint twice
-        trial.set_user_attr("constraints", constraints)
+        record["user_attrs"]["constraints"] = constraints
         peak = result.peak_bytes or (self.settings.budget_bytes if failed > 0 else 0)
-        return result.tokens_per_s, peak / MIB
+        record["values"] = [result.tokens_per_s, peak / MIB]
 
 
 def _autotune_sampler(

@@ -55,18 +55,40 @@ class Cluster:
     root: Path
     port: int
     server: subprocess.Popen[bytes]
+    #: how the server was started, to start it again on the same data and port (``restart``)
+    command: list[str] | None = None
+    as_user: dict[str, Any] | None = None
 
     @property
     def url(self) -> str:
         return f"postgresql://{USER}:{PASSWORD}@127.0.0.1:{self.port}/postgres"
 
-    def stop(self) -> None:
+    def halt(self) -> None:
+        """Stop the server as an administrator does (``pg_ctl stop -m fast``: the clients'
+        connections are ended), keeping its data for ``restart``."""
         self.server.send_signal(signal.SIGINT)  # "fast" shutdown: does not wait for clients
         try:
             self.server.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.server.kill()
             self.server.wait()
+
+    def restart(self, timeout_s: float = 60.0) -> None:
+        """Start the halted server again, on the same data and port."""
+        assert self.command is not None and self.server.poll() is not None
+        with open(self.root / "server.log", "ab") as out:
+            self.server = subprocess.Popen(
+                self.command, stdout=out, stderr=subprocess.STDOUT, cwd=self.root,
+                **(self.as_user or {}),
+            )  # fmt: skip
+        deadline = time.monotonic() + timeout_s
+        while not _accepts(self.url):
+            if self.server.poll() is not None or time.monotonic() > deadline:
+                raise Unavailable("postgres did not start again")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        self.halt()
         shutil.rmtree(self.root, ignore_errors=True)
 
 
@@ -99,13 +121,13 @@ def start(timeout_s: float = 60.0) -> Cluster:
         shutil.rmtree(root, ignore_errors=True)
         raise Unavailable(f"initdb failed: {init.stderr.strip()[-300:]}")
     port = _free_port()
+    command = [postgres, "-D", str(data), "-h", "127.0.0.1", "-p", str(port), "-k", str(root),
+               "-c", "fsync=off", "-c", "max_connections=50"]  # fmt: skip
     with open(log, "wb") as out:
         server = subprocess.Popen(
-            [postgres, "-D", str(data), "-h", "127.0.0.1", "-p", str(port), "-k", str(root),
-             "-c", "fsync=off", "-c", "max_connections=50"],
-            stdout=out, stderr=subprocess.STDOUT, cwd=root, **as_user,
+            command, stdout=out, stderr=subprocess.STDOUT, cwd=root, **as_user
         )  # fmt: skip
-    cluster = Cluster(root, port, server)
+    cluster = Cluster(root, port, server, command, as_user)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if server.poll() is not None:
