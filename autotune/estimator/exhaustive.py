@@ -18,6 +18,7 @@ from typing import Any
 from autotune.estimator.analytical import AnalyticalEstimator
 from autotune.estimator.base import Estimate
 from autotune.estimator.gpus import GpuSpec
+from autotune.estimator.paging import apply_budget
 from autotune.estimator.speed import MODEL_ERROR
 from trials.data import Documents
 from trials.techniques import FIDELITY_CLASSES, fidelity_class
@@ -50,7 +51,8 @@ def score(
     host_budget_bytes: int | None = None,
     documents: Documents | None = None,
 ) -> list[Scored]:
-    """Every configuration with its prediction and whether it fits both memories."""
+    """Every configuration with its prediction and whether it fits both memories (a paged
+    optimizer's states beyond the budget in host memory, ``autotune.estimator.paging``)."""
     est = AnalyticalEstimator()
     out: list[Scored] = []
     for config in configs:
@@ -63,6 +65,7 @@ def score(
             gpu=gpu,
             documents=documents,
         )
+        apply_budget(e, model_config, config, budget_bytes, gpu)
         why = ""
         if e.peak_bytes > budget_bytes:
             why = "device memory"
