@@ -96,6 +96,10 @@ def adapts(config: dict[str, Any]) -> bool:
 #: benchmarks/speed_calibration.py: Hopper's higher peak is reached less of the time
 MATMUL_EFFICIENCY = {7: 0.30, 8: 0.72, 9: 0.44}
 DEFAULT_MATMUL_EFFICIENCY = 0.6
+#: per compute capability where one differs from its generation: consumer Ada (SM 8.9) fitted
+#: to torchtune's RTX 4090 rows (benchmarks/finetune_anchors.py: LoRA at 3,083 tokens/s needs
+#: about 85% of its FP32-accumulate peak)
+MATMUL_EFFICIENCY_SM = {(8, 9): 0.85}
 #: fraction of the datasheet bandwidths reached by memory-bound kernels and by NCCL rings
 HBM_EFFICIENCY = 0.75
 COMM_EFFICIENCY = 0.70
@@ -139,29 +143,39 @@ COMPILED_ELEMENTWISE_PASSES = 1.5
 #: launches per parameter tensor of the optimizer's step: torch's AdamW steps every tensor with
 #: foreach kernels over the whole list (none per tensor) unless each tensor is stepped alone
 #: (the step in backward: about 12 ops each, torch's single-tensor AdamW); bitsandbytes' 8-bit
-#: optimizers run one kernel per tensor with its Python bookkeeping (about 5 ops); torchao's
+#: optimizers run one kernel per tensor behind about 200 us of Python (``Optimizer8bit.step``:
+#: the per-tensor config lookup, ``prefetch_state``, the ctypes call of
+#: ``optimizer_update_8bit_blockwise`` with its argument checks): 20 launches' worth; torchao's
 #: compiled per-tensor step about 3
 TENSOR_STEP_OPS = {
     "adamw": 0,
     "adafactor": 0,
     "lion": 0,
-    "adamw_8bit": 5,
-    "paged_adamw_8bit": 5,
+    "adamw_8bit": 20,
+    "paged_adamw_8bit": 20,
     "adamw_torchao_8bit": 3,
     "adamw_torchao_4bit": 3,
 }
 SINGLE_TENSOR_STEP_OPS = 12
 #: block-wise (de)quantisation of low-bit optimizer states in the step, as HBM-equivalent bytes
-#: per parameter beyond the bytes the step moves: bitsandbytes' 8-bit kernel quantises each
-#: moment by a search of its 256-entry code book; fitted to torchtune's Llama 3.2 3B table
-#: (+8-bit AdamW: 7,309 -> 6,960 tokens/s, 4.8% slower, where the bytes alone make it faster);
-#: 4-bit (two codes a byte, 128-value blocks) taken 1.25x the 8-bit cost (no published figure)
+#: per parameter beyond the bytes the step moves: each moment's code looked up (dequantised to
+#: fp32) and its new value searched in the 256-entry code book, with a block's absmax reduced
+#: first (bitsandbytes' ``kOptimizerStatic8bit2StateBlockwise``): about the cost of moving the
+#: two moments in fp32 once more (16 B) plus the block reductions (8 B); with the per-tensor
+#: Python above, torchtune's Llama 3.2 3B table's +8-bit AdamW rung (7,309 -> 6,960 tokens/s,
+#: 4.8% slower) comes out slower, where the bytes alone would make it faster. 4-bit (two codes
+#: a byte, 128-value blocks) taken 1.25x the 8-bit cost (no published figure)
 QUANT_STEP_BYTES = {
-    "adamw_8bit": 64,
-    "paged_adamw_8bit": 64,
-    "adamw_torchao_8bit": 64,
-    "adamw_torchao_4bit": 80,
+    "adamw_8bit": 24,
+    "paged_adamw_8bit": 24,
+    "adamw_torchao_8bit": 24,
+    "adamw_torchao_4bit": 30,
 }
+#: how activation offloading copies: "compute" (on the compute stream, as ``save_on_cpu`` and
+#: the trial job's hooks do: not overlapped) or "side" (torchtune's ``OffloadActivations`` with
+#: ``use_streams``: overlapped with compute, exposed only beyond it); a configuration may name it
+#: as ``activation_offload_stream`` (the trial job's is "compute")
+OFFLOAD_STREAM_DEFAULT = "compute"
 #: gradient clipping (``clip_grad_norm_``): the norm reads every gradient, the scaling reads and
 #: writes them: 3 passes over the gradients' bytes
 CLIP_PASSES = 3
@@ -199,6 +213,8 @@ class StepTime:
 
 
 def matmul_efficiency(gpu: GpuSpec) -> float:
+    if gpu.sm in MATMUL_EFFICIENCY_SM:
+        return MATMUL_EFFICIENCY_SM[gpu.sm]
     return MATMUL_EFFICIENCY.get(gpu.sm[0], DEFAULT_MATMUL_EFFICIENCY)
 
 
@@ -339,8 +355,13 @@ def step_time(
     if off_param:
         fetch = wbytes * shard / pcie
         comm_micro_exposed += max(0.0, fetch - fwd_all) + max(0.0, fetch - bwd)
-    # offloaded activations: out in forward, back in backward, on the compute stream
-    offload += accum * 2 * offloaded_activations / pcie
+    # offloaded activations: out in forward, back in backward, on the compute stream (or, on a
+    # side stream, behind the forward's and the backward's compute)
+    moved = offloaded_activations / pcie
+    if str(config.get("activation_offload_stream", OFFLOAD_STREAM_DEFAULT)) == "side":
+        offload += accum * (max(0.0, moved - fwd_all) + max(0.0, moved - bwd))
+    else:
+        offload += accum * 2 * moved
 
     # --- optimizer step on the device -------------------------------------------------------------
     step_bytes = OPTIMIZER_STEP_BYTES.get(optimizer, 28) + QUANT_STEP_BYTES.get(optimizer, 0)
