@@ -15,7 +15,9 @@ from rich.table import Table
 
 from autotune.errors import UserError
 from autotune.estimate_backend import (
+    HOST_FRONTIER,
     estimate_space,
+    frontier_json,
     hardware_for,
     host_budget,
     study_gpu,
@@ -23,7 +25,13 @@ from autotune.estimate_backend import (
 )
 from autotune.estimator.analytical import AnalyticalEstimator
 from autotune.estimator.base import PARTS, Estimate
-from autotune.estimator.exhaustive import ClassBest, best_per_class, headline, score
+from autotune.estimator.exhaustive import (
+    ClassBest,
+    best_per_class,
+    headline,
+    host_frontier,
+    score,
+)
 from autotune.estimator.gpus import GPUS, GpuSpec
 from autotune.estimator.speed import MODEL_ERROR
 from autotune.estimator.traced import TracedEstimator
@@ -84,6 +92,23 @@ def class_lines(per_class: dict[str, ClassBest], budget: int) -> list[str]:
     return lines
 
 
+def frontier_lines(steps: list[dict[str, Any]]) -> list[str]:
+    """What more host memory buys: one line per host memory size at which the best full
+    training changes (``estimate_backend.frontier_json``'s entries)."""
+    from autotune.display import describe
+
+    if not steps:
+        return []
+    lines = ["host memory and the best full training (each size at which the answer changes):"]
+    for step in steps:
+        lines.append(
+            f"  with {step['host_size_gb']} GB of host RAM: {describe(step['config'])} "
+            f"({step['class']}): peak {format_size(step['peak_bytes'])}, host "
+            f"{format_size(step['host_bytes'])}, {step['tokens_per_s']:,.0f} tokens/s"
+        )
+    return lines
+
+
 def confirm_winner(
     study: optuna.Study,
     settings: StudySettings,
@@ -100,6 +125,8 @@ def confirm_winner(
     for line in class_lines(per_class, budget):
         console.print(line)
     head = headline(per_class)
+    for line in frontier_lines(study.user_attrs.get(HOST_FRONTIER, [])):
+        console.print(line, markup=False)
     if head is None:
         console.print("[yellow]no full-training (exact or mixed) configuration fits[/yellow]")
         return
@@ -234,6 +261,8 @@ def estimate_cmd(
     console.print(f"best per fidelity class (speeds within {MODEL_ERROR:.0%} are ties):")
     for line in class_lines(per_class, budget_bytes):
         console.print(line)
+    for line in frontier_lines(frontier_json(host_frontier(scored))):
+        console.print(line, markup=False)
     head = headline(per_class)
     rows = []
     if head is not None:
