@@ -33,6 +33,7 @@ from autotune.estimator.exhaustive import (
     score,
 )
 from autotune.estimator.gpus import GPUS, GpuSpec
+from autotune.estimator.paging import apply_budget
 from autotune.estimator.speed import MODEL_ERROR
 from autotune.estimator.traced import TracedEstimator
 from autotune.models import resolve_model
@@ -238,6 +239,8 @@ def estimate_cmd(
             ("analytical", analytical.estimate(entry.config, config, **kw)),
             ("traced", traced.estimate(entry.config, config, **kw)),
         ]
+        for _, est in rows:  # a paged optimizer's states beyond the budget on the host
+            apply_budget(est, entry.config, config, budget_bytes, spec)
         console.print(breakdown_table(rows, budget_bytes, f"{entry.name}: {describe(config)}"))
         for note in rows[1][1].notes:
             console.print(f"[dim]{note}[/dim]")

@@ -80,6 +80,7 @@ from trials.techniques.cross_entropy import is_chunked
 from trials.techniques.fsdp import RESHARD, fsdp_mode, offloads_shards
 from trials.techniques.micro_batch import micro_and_accumulation
 from trials.techniques.optimizer_in_backward import steps_in_backward
+from trials.techniques.precision import pure_bf16
 
 #: the adapter kinds that train low-rank matrices on a frozen 16-bit base (the ``adapter``
 #: dimension's choices besides "none")
@@ -119,6 +120,9 @@ OPTIMIZER_STEP_BYTES = {
     "adamw_torchao_8bit": 16,
     "adamw_torchao_4bit": 14,
 }
+#: pure bf16 (no fp32 masters): the step reads and writes 16-bit weights and reads 16-bit
+#: gradients, 3 x 2 bytes per parameter fewer than ``OPTIMIZER_STEP_BYTES`` counts
+PURE16_SAVED_BYTES = 6
 CPU_ADAM_BYTES = 30  # fp32 p, g, m, v read; p, m, v and the 16-bit copy written
 QUANT_BYTES = {"int8": 1.0, "nf4": 0.53}
 #: CPU time eager PyTorch spends per operator it launches (Python, dispatcher, cudaLaunchKernel):
@@ -365,6 +369,8 @@ def step_time(
 
     # --- optimizer step on the device -------------------------------------------------------------
     step_bytes = OPTIMIZER_STEP_BYTES.get(optimizer, 28) + QUANT_STEP_BYTES.get(optimizer, 0)
+    if pure_bf16(config):  # the weight read and written, its gradient read: 2 bytes, not 4
+        step_bytes -= PURE16_SAVED_BYTES
     if frozen:
         rank = int(config.get("lora_rank", 8) or 8)
         trainable = 2 * rank * (st.layers * (st.layer_matrix_params // max(1, st.hidden)) + 1)
