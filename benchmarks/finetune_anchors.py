@@ -358,7 +358,8 @@ def main(argv: list[str] | None = None) -> int:
             x for x in (r.note, f"not expressible: {p.why_not}" * bool(p.why_not)) if x
         )
         print(
-            f"| {r.label} | {r.gpu} | {r.memory_gib:.1f} | {mem} | {err} | {r.tokens_per_s:,.0f} "
+            f"| {r.label} | {r.gpu} | {r.memory_gib or '-'} | {mem} | {err} "
+            f"| {r.tokens_per_s:,.0f} "
             f"| {p.tokens_per_s:,.0f} | {p.speed_error:+.0f}% | {notes} |"
         )
     speed = [abs(p.speed_error) for p in preds]

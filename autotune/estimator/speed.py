@@ -43,7 +43,7 @@ an efficiency, whichever is slower (a roofline per op class):
   GPU runs them asynchronously, so a micro-batch takes the longer of the GPU's time and the
   CPU's launches (small micro-batches are launch-bound). ``compile`` fuses the element-wise
   chains into fewer kernels (``COMPILED_OPS``). The optimizer's per-tensor work
-  (``TENSOR_STEP_S``: launches per parameter tensor of its step; the step in backward steps
+  (``TENSOR_STEP_OPS``: launches per parameter tensor of its step; the step in backward steps
   each tensor alone) and gradient clipping (a norm over every gradient, then a scaling pass)
   add to the step.
 * **compile** also fuses the element-wise work: ``COMPILED_ELEMENTWISE_PASSES`` instead of
@@ -200,8 +200,6 @@ class StepTime:
     offload: float = 0.0
     #: launch-bound time beyond the GPU's (the per-step floor)
     launch: float = 0.0
-    #: paged optimizer states migrated over PCIe
-    paging: float = 0.0
 
     @property
     def total(self) -> float:
@@ -212,7 +210,6 @@ class StepTime:
             + self.communication
             + self.offload
             + self.launch
-            + self.paging
         )
 
 
@@ -252,13 +249,12 @@ def step_time(
     layer_act_bytes: int,
     offloaded_activations: int = 0,
     shape: Shape | None = None,
-    paged_bytes: int = 0,
     clip: bool = False,
 ) -> StepTime:
     """The roofline of one step (``global_batch_size`` sequences per GPU); ``shape``: a
     typical micro-batch of variable-length data (``trials.data``), rows x length positions;
-    ``paged_bytes``: paged optimizer states migrated each way per step
-    (``autotune.estimator.paging``); ``clip``: gradients clipped by norm before the step."""
+    ``clip``: gradients clipped by norm before the step. Paged optimizer states' migration is
+    added where the budget is known (``autotune.estimator.paging.apply_budget``)."""
     config = zero_equivalent(config)
     precision = str(config.get("precision", "fp32"))
     half = precision in ("bf16", "fp16")
@@ -404,7 +400,6 @@ def step_time(
         communication=accum * comm_micro_exposed + comm_step,
         offload=offload,
         launch=accum * launch,
-        paging=paged_bytes / pcie,
     )
 
 
@@ -427,7 +422,6 @@ def roofline(
     offloaded_activations: int = 0,
     layer_act_bytes: int | None = None,
     documents: Documents | None = None,
-    paged_bytes: int = 0,
 ) -> Estimate:
     """Fill ``est.step_time_s`` and ``est.tokens_per_s`` (all GPUs) for ``gpu``;
     ``offloaded_activations``: bytes per micro-batch one rank moves to the host and back;
@@ -451,7 +445,6 @@ def roofline(
         layer_act_bytes,
         offloaded_activations,
         shape,
-        paged_bytes,
     )
     est.step_time_s = t.total
     _, accum = micro_and_accumulation(config, global_batch_size, strict=False)
@@ -465,6 +458,5 @@ def roofline(
         "communication": t.communication,
         "offload": t.offload,
         "launch": t.launch,
-        "paging": t.paging,
     }
     return est
