@@ -12,7 +12,14 @@ import optuna
 from rich.console import Console
 
 from autotune.estimator.analytical import AnalyticalEstimator
-from autotune.estimator.exhaustive import ClassBest, best_per_class, score
+from autotune.estimator.exhaustive import (
+    ClassBest,
+    HostStep,
+    Scored,
+    best_per_class,
+    host_frontier,
+    score,
+)
 from autotune.estimator.gpus import GpuSpec, default_gpu, gpu_spec
 from autotune.estimator.runner import EstimateRunner, PrescreenRunner
 from autotune.hardware import Hardware
@@ -87,8 +94,13 @@ def study_gpu(settings: StudySettings) -> GpuSpec:
 
 def class_scores(settings: StudySettings) -> dict[str, ClassBest]:
     """Every configuration of the study's space scored; the best of each fidelity class."""
+    return best_per_class(space_scores(settings))
+
+
+def space_scores(settings: StudySettings) -> list[Scored]:
+    """Every configuration of the study's space scored."""
     space = SearchSpace.from_dict(settings.space, "study")
-    scored = score(
+    return score(
         settings.model_config,
         space.grid(),
         seq_len=settings.seq_len,
@@ -99,7 +111,27 @@ def class_scores(settings: StudySettings) -> dict[str, ClassBest]:
         host_budget_bytes=settings.host_budget_bytes or None,
         documents=settings.trial_documents(),
     )
-    return best_per_class(scored)
+
+
+#: the study attribute holding the host-memory frontier (``frontier_json``)
+HOST_FRONTIER = "host_frontier"
+
+
+def frontier_json(steps: list[HostStep]) -> list[dict[str, Any]]:
+    """The frontier as ``show --json`` prints it (and the study stores it)."""
+    from trials.techniques import fidelity_class
+
+    return [
+        {
+            "host_size_gb": step.host_size_gb,
+            "host_bytes": step.best.estimate.host_bytes,
+            "class": fidelity_class(step.best.config),
+            "config": step.best.config,
+            "peak_bytes": step.best.estimate.peak_bytes,
+            "tokens_per_s": step.best.estimate.tokens_per_s,
+        }
+        for step in steps
+    ]
 
 
 def queue_class_bests(study: optuna.Study, console: Console) -> tuple[dict[str, ClassBest], int]:
@@ -111,7 +143,9 @@ def queue_class_bests(study: optuna.Study, console: Console) -> tuple[dict[str, 
 
     t0 = time.perf_counter()
     settings = settings_of(study)
-    per_class = class_scores(settings)
+    scored = space_scores(settings)
+    per_class = best_per_class(scored)
+    study.set_user_attr(HOST_FRONTIER, frontier_json(host_frontier(scored)))
     space = SearchSpace.from_dict(settings.space, "study")
     done = [t.user_attrs.get("config") for t in study.get_trials(deepcopy=False)]
     queued = 0

@@ -15,7 +15,9 @@ from rich.table import Table
 
 from autotune.errors import UserError
 from autotune.estimate_backend import (
+    HOST_FRONTIER,
     estimate_space,
+    frontier_json,
     hardware_for,
     host_budget,
     study_gpu,
@@ -23,8 +25,15 @@ from autotune.estimate_backend import (
 )
 from autotune.estimator.analytical import AnalyticalEstimator
 from autotune.estimator.base import PARTS, Estimate
-from autotune.estimator.exhaustive import ClassBest, best_per_class, headline, score
+from autotune.estimator.exhaustive import (
+    ClassBest,
+    best_per_class,
+    headline,
+    host_frontier,
+    score,
+)
 from autotune.estimator.gpus import GPUS, GpuSpec
+from autotune.estimator.paging import apply_budget
 from autotune.estimator.speed import MODEL_ERROR
 from autotune.estimator.traced import TracedEstimator
 from autotune.models import check_seq_len, resolve_model
@@ -90,6 +99,23 @@ def class_lines(per_class: dict[str, ClassBest], budget: int) -> list[str]:
     return lines
 
 
+def frontier_lines(steps: list[dict[str, Any]]) -> list[str]:
+    """What more host memory buys: one line per host memory size at which the best full
+    training changes (``estimate_backend.frontier_json``'s entries)."""
+    from autotune.display import describe
+
+    if not steps:
+        return []
+    lines = ["host memory and the best full training (each size at which the answer changes):"]
+    for step in steps:
+        lines.append(
+            f"  with {step['host_size_gb']} GB of host RAM: {describe(step['config'])} "
+            f"({step['class']}): peak {format_size(step['peak_bytes'])}, host "
+            f"{format_size(step['host_bytes'])}, {step['tokens_per_s']:,.0f} tokens/s"
+        )
+    return lines
+
+
 def confirm_winner(
     study: optuna.Study,
     settings: StudySettings,
@@ -106,6 +132,8 @@ def confirm_winner(
     for line in class_lines(per_class, budget):
         console.print(line)
     head = headline(per_class)
+    for line in frontier_lines(study.user_attrs.get(HOST_FRONTIER, [])):
+        console.print(line, markup=False)
     if head is None:
         console.print("[yellow]no full-training (exact or mixed) configuration fits[/yellow]")
         return
@@ -235,6 +263,8 @@ def estimate_cmd(
             ("analytical", analytical.estimate(entry.config, config, **kw)),
             ("traced", traced.estimate(entry.config, config, **kw)),
         ]
+        for _, est in rows:  # a paged optimizer's states beyond the budget on the host
+            apply_budget(est, entry.config, config, budget_bytes, spec)
         console.print(breakdown_table(rows, budget_bytes, f"{entry.name}: {describe(config)}"))
         for note in rows[1][1].notes:
             console.print(f"[dim]{note}[/dim]")
@@ -258,6 +288,8 @@ def estimate_cmd(
     console.print(f"best per fidelity class (speeds within {MODEL_ERROR:.0%} are ties):")
     for line in class_lines(per_class, budget_bytes):
         console.print(line)
+    for line in frontier_lines(frontier_json(host_frontier(scored))):
+        console.print(line, markup=False)
     head = headline(per_class)
     rows = []
     if head is not None:

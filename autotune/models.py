@@ -75,6 +75,16 @@ LLAMA3: dict[str, Any] = {
     "eos_token_id": 128001,
 }
 
+#: Llama 3.1/3.2's RoPE frequency scaling (their config.json's ``rope_scaling``)
+LLAMA31_ROPE: dict[str, Any] = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+LLAMA31: dict[str, Any] = {**LLAMA3, "max_pos": 131072, "rope_scaling": LLAMA31_ROPE}
+
 REGISTRY: dict[str, ModelEntry] = {
     e.name: e
     for e in [
@@ -103,6 +113,25 @@ REGISTRY: dict[str, ModelEntry] = {
             "llama-3-8b",
             _llama(128256, 4096, 14336, 32, 32, kv_heads=8, **LLAMA3),
             "meta-llama/Meta-Llama-3-8B",
+        ),
+        _entry(
+            "llama-3.1-8b",
+            _llama(128256, 4096, 14336, 32, 32, kv_heads=8, **LLAMA31),
+            "meta-llama/Llama-3.1-8B",
+        ),
+        _entry(
+            "llama-3.2-3b",
+            _llama(
+                128256, 3072, 8192, 28, 24, kv_heads=8, **{**LLAMA31, "tie_word_embeddings": True}
+            ),
+            "meta-llama/Llama-3.2-3B (tied embeddings)",
+        ),
+        _entry(
+            "llama-3.2-1b",
+            _llama(
+                128256, 2048, 8192, 16, 32, kv_heads=8, **{**LLAMA31, "tie_word_embeddings": True}
+            ),
+            "meta-llama/Llama-3.2-1B (tied embeddings)",
         ),
         _entry(
             "llama-3-70b",

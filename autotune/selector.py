@@ -409,5 +409,7 @@ def selection_json(study: optuna.Study) -> dict[str, Any]:
             for g, c in sel.classes.items()
         },
         "load_warning": sel.load_warning,
+        # estimate backend: the best full training per host memory size where it changes
+        "host_frontier": study.user_attrs.get("host_frontier", []),
         "trials": rows,
     }

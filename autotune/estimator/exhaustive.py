@@ -1,6 +1,7 @@
 """Every configuration of a space scored by the analytical estimator, and the best of each
 fidelity class (``trials.techniques.FIDELITY_CLASSES``: exact, mixed, reduced_state,
-other_optimizer, adapters).
+other_optimizer, adapters), and the host-memory frontier: the best full training at each host
+memory size where it changes (``host_frontier``).
 
 The per-model quantities (parameter shapes, optimizer-state bytes) are computed once per model,
 so a configuration costs a few arithmetic operations: llama-70b's whole estimate space on 8 GPUs
@@ -18,6 +19,7 @@ from typing import Any
 from autotune.estimator.analytical import AnalyticalEstimator
 from autotune.estimator.base import Estimate
 from autotune.estimator.gpus import GpuSpec
+from autotune.estimator.paging import apply_budget
 from autotune.estimator.speed import MODEL_ERROR
 from trials.data import Documents
 from trials.techniques import FIDELITY_CLASSES, fidelity_class
@@ -50,7 +52,8 @@ def score(
     host_budget_bytes: int | None = None,
     documents: Documents | None = None,
 ) -> list[Scored]:
-    """Every configuration with its prediction and whether it fits both memories."""
+    """Every configuration with its prediction and whether it fits both memories (a paged
+    optimizer's states beyond the budget in host memory, ``autotune.estimator.paging``)."""
     est = AnalyticalEstimator()
     out: list[Scored] = []
     for config in configs:
@@ -63,6 +66,7 @@ def score(
             gpu=gpu,
             documents=documents,
         )
+        apply_budget(e, model_config, config, budget_bytes, gpu)
         why = ""
         if e.peak_bytes > budget_bytes:
             why = "device memory"
@@ -95,3 +99,56 @@ def headline(per_class: dict[str, ClassBest]) -> ClassBest | None:
     if not candidates:
         return None
     return max(candidates, key=lambda c: c.best.estimate.tokens_per_s)
+
+
+#: host memory sizes machines are built with (GB): the frontier names the smallest that holds
+#: a configuration's host memory
+HOST_SIZES_GB = (16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
+#: the classes that train every weight (all but the adapters')
+FULL_TRAINING = tuple(c for c in FIDELITY_CLASSES if c != "adapters")
+
+
+@dataclass
+class HostStep:
+    host_size_gb: int  # the machine size from which this configuration is the answer
+    best: Scored
+
+
+def host_size_gb(host_bytes: int) -> int:
+    """The smallest machine size (``HOST_SIZES_GB``) holding ``host_bytes``; past the table,
+    the bytes rounded up to whole GB."""
+    for size in HOST_SIZES_GB:
+        if host_bytes <= size * 10**9:
+            return size
+    return -(-host_bytes // 10**9)
+
+
+def host_frontier(
+    scored: list[Scored],
+    classes: tuple[str, ...] = FULL_TRAINING,
+    tie: float = MODEL_ERROR,
+) -> list[HostStep]:
+    """The best full-training configuration for each host memory size at which it changes:
+    sizes ascending, each step faster than the one before by more than ``tie`` (the speed
+    model cannot tell closer speeds apart). A configuration over the device budget never
+    appears; one over the host budget (``score``'s ``host_budget_bytes``) neither, so
+    ``--host-memory`` still limits the answer."""
+    on_device = [s for s in scored if s.fits and fidelity_class(s.config) in classes]
+    if not on_device:
+        return []
+    by_size: dict[int, Scored] = {}
+    for s in on_device:
+        size = host_size_gb(s.estimate.host_bytes)
+        best = by_size.get(size)
+        if best is None or (s.estimate.tokens_per_s, -s.estimate.peak_bytes) > (
+            best.estimate.tokens_per_s,
+            -best.estimate.peak_bytes,
+        ):
+            by_size[size] = s
+    out: list[HostStep] = []
+    for size in sorted(by_size):
+        s = by_size[size]
+        if out and s.estimate.tokens_per_s <= out[-1].best.estimate.tokens_per_s * (1 + tie):
+            continue
+        out.append(HostStep(size, s))
+    return out

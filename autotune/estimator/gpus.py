@@ -3,7 +3,11 @@
 Dense (no structured sparsity) peak tensor-core throughput, from NVIDIA's datasheets and
 architecture whitepapers: H100/H200 SXM datasheets, A100 datasheet (SXM), A10 and L4
 datasheets, the Ada Lovelace whitepaper (RTX 4090: FP16/BF16 with FP32 accumulate) and the
-Ampere GA102 whitepaper (RTX 3090, same), the V100 SXM2 datasheet (no bf16). ``fp32`` is the
+Ampere GA102 whitepaper (RTX 3090, same; RTX A6000 at the full FP32-accumulate rate, its
+datasheet's 309.7 sparse TFLOPS halved), the L40S and RTX 6000 Ada datasheets (733 and 728
+sparse, halved), the H100 PCIe and H100 NVL datasheets (1,513 and 1,671 sparse, halved), the
+GH200 datasheet (H100 96GB, its host link NVLink-C2C at 450 GB/s per direction), the V100 SXM2
+datasheets (16 and 32 GB; no bf16). ``fp32`` is the
 plain (non-TF32) FP32 rate. Link bandwidths are per direction: PCIe 3/4/5 x16 = 16/32/64 GB/s;
 NVLink is the datasheet's total per GPU divided by two.
 
@@ -81,8 +85,35 @@ GPUS: dict[str, GpuSpec] = {
         GpuSpec("rtx3090", "NVIDIA GeForce RTX 3090", 24 * GIB, 71, 71, 35.6, 936, 32, 56, (8, 6)),
         GpuSpec("a10g", "NVIDIA A10G 24GB", 24 * GIB, 125, 125, 31.2, 600, 32, 0, (8, 6)),
         GpuSpec("l4", "NVIDIA L4 24GB", 24 * GIB, 121, 121, 30.3, 300, 32, 0, (8, 9)),
+        GpuSpec("a10", "NVIDIA A10 24GB", 24 * GIB, 125, 125, 31.2, 600, 32, 0, (8, 6)),
+        GpuSpec(
+            "rtx-a6000", "NVIDIA RTX A6000 48GB", 48 * GIB, 154.8, 154.8, 38.7, 768, 32, 56, (8, 6)
+        ),
+        GpuSpec("l40s", "NVIDIA L40S 48GB", 48 * GIB, 362, 362, 91.6, 864, 32, 0, (8, 9)),
+        GpuSpec(
+            "rtx6000-ada", "NVIDIA RTX 6000 Ada 48GB", 48 * GIB, 364, 364, 91.1, 960, 32, 0, (8, 9)
+        ),
+        GpuSpec("h100-pcie", "NVIDIA H100 PCIe 80GB", 80 * GB, 756, 756, 51, 2000, 64, 300, (9, 0)),
+        GpuSpec("h100-nvl", "NVIDIA H100 NVL 94GB", 94 * GB, 835, 835, 60, 3900, 64, 300, (9, 0)),
+        # the Grace Hopper superchip's GPU: its host link is NVLink-C2C (900 GB/s both ways)
+        GpuSpec(
+            "h100-96gb", "NVIDIA H100 96GB (GH200)", 96 * GB, 989, 989, 67, 4000, 450, 450, (9, 0)
+        ),
+        GpuSpec("v100-16gb", "NVIDIA V100 SXM2 16GB", 16 * GIB, 0, 125, 15.7, 900, 16, 150, (7, 0)),
     ]
 }
+#: the cards ``default_gpu`` picks from (the common card of each memory size)
+DEFAULT_CHOICES = (
+    "h200",
+    "h100",
+    "a100-80gb",
+    "a100-40gb",
+    "v100",
+    "rtx4090",
+    "rtx3090",
+    "a10g",
+    "l4",
+)
 
 
 #: the node's network per GPU model (GB/s per direction, all NICs): DGX-class InfiniBand for the
@@ -93,6 +124,7 @@ INTERNODE_GBPS = {
     "a100-80gb": 200.0,
     "a100-40gb": 200.0,
     "v100": 50.0,
+    "v100-16gb": 50.0,
 }
 GPUS = {
     k: replace(g, internode_gbps=INTERNODE_GBPS.get(k, g.internode_gbps)) for k, g in GPUS.items()
@@ -109,9 +141,10 @@ def gpu_spec(key: str) -> GpuSpec:
 def default_gpu(budget_bytes: int) -> GpuSpec:
     """The smallest card whose memory holds the budget (the fastest of equals); else the
     largest card. A 24GB budget gets an RTX 4090."""
-    fitting = [g for g in GPUS.values() if g.memory_bytes >= budget_bytes]
+    choices = [GPUS[k] for k in DEFAULT_CHOICES]
+    fitting = [g for g in choices if g.memory_bytes >= budget_bytes]
     if not fitting:
-        return max(GPUS.values(), key=lambda g: g.memory_bytes)
+        return max(choices, key=lambda g: g.memory_bytes)
     smallest = min(g.memory_bytes for g in fitting)
     return max(
         (g for g in fitting if g.memory_bytes == smallest),

@@ -31,8 +31,32 @@ an efficiency, whichever is slower (a roofline per op class):
   weights up over PCIe in forward and backward, prefetched. Offloaded activations cross PCIe
   twice per micro-batch (to the host in forward, back in backward), not overlapped: the copies
   run on the compute stream, as ``save_on_cpu`` and the trial job's hooks make them.
+  ZeRO 1-2's offloaded gradients are copied out in the reduction hooks on the compute stream
+  (``stage_1_and_2.py``: ``async_inplace_copy_grad_to_fp32_buffer_from_gpu``), every
+  micro-batch, and accumulated on the host through the GPU (the fp32 buffer up and back,
+  ``async_accumulate_grad_in_cpu_via_gpu``) after the first: not overlapped (stage 3 copies
+  each micro-batch's gradients out and adds them on the host).
 * **QLoRA/LoRA**: int8/nf4 weights are dequantised to 16 bits before every use (forward and
-  backward), a memory-bound pass over the quantized weights each time.
+  backward), a memory-bound pass over the quantized weights each time; a frozen base (LoRA,
+  DoRA or QLoRA) skips the weight gradients.
+* **step floor**: eager PyTorch launches every operator from the CPU (``LAUNCH_S`` each); the
+  GPU runs them asynchronously, so a micro-batch takes the longer of the GPU's time and the
+  CPU's launches (small micro-batches are launch-bound). ``compile`` fuses the element-wise
+  chains into fewer kernels (``COMPILED_OPS``). The optimizer's per-tensor work
+  (``TENSOR_STEP_OPS``: launches per parameter tensor of its step; the step in backward steps
+  each tensor alone) and gradient clipping (a norm over every gradient, then a scaling pass)
+  add to the step.
+* **compile** also fuses the element-wise work: ``COMPILED_ELEMENTWISE_PASSES`` instead of
+  ``ELEMENTWISE_PASSES`` over the kept activations.
+* **low-bit optimizer states** are dequantised and requantised block-wise in the step
+  (``QUANT_STEP_BYTES``: the kernels' extra cost, in HBM-equivalent bytes per parameter).
+* **paged optimizer states** (bitsandbytes' paged optimizers, ``autotune.estimator.paging``):
+  the states that do not fit the device budget migrate each step, in (prefetched before each
+  tensor's update) while as many bytes are evicted, on a full-duplex PCIe link: ``migrated /
+  PCIe`` per step, not overlapped (bitsandbytes synchronises after each paged tensor).
+* **attention kernels at long sequences**: FlashAttention-2 and sdpa without a mask run the same
+  flash kernel; sdpa given a mask (packed or padded rows without FlashAttention-2's varlen
+  path) falls back to the memory-efficient kernel, about half as fast (``FLASH_EFFICIENCY``).
 
 The efficiencies are calibrated once against published throughputs
 (``benchmarks/speed_calibration.py``, where each figure, the prediction and the error are
@@ -51,15 +75,32 @@ from autotune.estimator.gpus import GpuSpec
 from autotune.models import ModelStats, stats_of
 from trials.data import Documents, Shape, micro_shapes
 from trials.techniques.checkpointing import saved_ops
+from trials.techniques.compile import compiles
 from trials.techniques.cross_entropy import is_chunked
 from trials.techniques.fsdp import RESHARD, fsdp_mode, offloads_shards
 from trials.techniques.micro_batch import micro_and_accumulation
+from trials.techniques.optimizer_in_backward import steps_in_backward
+from trials.techniques.precision import pure_bf16
+
+#: the adapter kinds that train low-rank matrices on a frozen 16-bit base (the ``adapter``
+#: dimension's choices besides "none")
+ADAPTERS = ("lora", "dora")
+
+
+def adapts(config: dict[str, Any]) -> bool:
+    """Whether the base weights are frozen under LoRA/DoRA adapters (on a 16-bit base)."""
+    return str(config.get("adapter", "none") or "none") in ADAPTERS
+
 
 #: fraction of the dense tensor-core (or fp32) peak that training's GEMMs reach, per GPU
 #: generation (CUDA major: 7 Volta, 8 Ampere/Ada, 9 Hopper), fitted to the published figures of
 #: benchmarks/speed_calibration.py: Hopper's higher peak is reached less of the time
 MATMUL_EFFICIENCY = {7: 0.30, 8: 0.72, 9: 0.44}
 DEFAULT_MATMUL_EFFICIENCY = 0.6
+#: per compute capability where one differs from its generation: consumer Ada (SM 8.9) fitted
+#: to torchtune's RTX 4090 rows (benchmarks/finetune_anchors.py: LoRA at 3,083 tokens/s needs
+#: about 85% of its FP32-accumulate peak)
+MATMUL_EFFICIENCY_SM = {(8, 9): 0.85}
 #: fraction of the datasheet bandwidths reached by memory-bound kernels and by NCCL rings
 HBM_EFFICIENCY = 0.75
 COMM_EFFICIENCY = 0.70
@@ -79,8 +120,69 @@ OPTIMIZER_STEP_BYTES = {
     "adamw_torchao_8bit": 16,
     "adamw_torchao_4bit": 14,
 }
+#: pure bf16 (no fp32 masters): the step reads and writes 16-bit weights and reads 16-bit
+#: gradients, 3 x 2 bytes per parameter fewer than ``OPTIMIZER_STEP_BYTES`` counts
+PURE16_SAVED_BYTES = 6
 CPU_ADAM_BYTES = 30  # fp32 p, g, m, v read; p, m, v and the 16-bit copy written
 QUANT_BYTES = {"int8": 1.0, "nf4": 0.53}
+#: CPU time eager PyTorch spends per operator it launches (Python, dispatcher, cudaLaunchKernel):
+#: about 10 us (PyTorch's "Accelerating PyTorch with CUDA Graphs" post, 2021: the CPU
+#: overhead per kernel launch is what CUDA graphs remove; torch's profiler shows 5-20 us per
+#: aten op on a training step)
+LAUNCH_S = 10e-6
+#: aten operators one decoder layer runs in forward: two RMSNorms of 6 ops (pow, mean, add,
+#: rsqrt, mul, weight mul) and their casts, 7 linears, RoPE on q and k (slices, neg, cat, two
+#: muls and an add each), the views and transposes around attention, sdpa, SiLU, the gate
+#: product, two residual adds (transformers' LlamaDecoderLayer: about 48); backward about
+#: twice as many
+LAYER_OPS_FORWARD = 48
+LAYER_OPS_BACKWARD = 96
+#: of those, what a compiled layer still launches: the linears and the attention kernel stay,
+#: each element-wise chain becomes one Triton kernel (inductor)
+COMPILED_OPS = 0.35
+#: reads + writes of the kept activations by compiled (fused) element-wise code: one read and
+#: one write per fused chain; fitted to the published gains of compiling the model, 1.16-1.27x
+#: (torchtune's Llama 3.2 3B memory table: +compile 7,075 -> 8,998 tokens/s, 1.27x)
+COMPILED_ELEMENTWISE_PASSES = 1.5
+#: launches per parameter tensor of the optimizer's step: torch's AdamW steps every tensor with
+#: foreach kernels over the whole list (none per tensor) unless each tensor is stepped alone
+#: (the step in backward: about 12 ops each, torch's single-tensor AdamW); bitsandbytes' 8-bit
+#: optimizers run one kernel per tensor behind about 200 us of Python (``Optimizer8bit.step``:
+#: the per-tensor config lookup, ``prefetch_state``, the ctypes call of
+#: ``optimizer_update_8bit_blockwise`` with its argument checks): 20 launches' worth; torchao's
+#: compiled per-tensor step about 3
+TENSOR_STEP_OPS = {
+    "adamw": 0,
+    "adafactor": 0,
+    "lion": 0,
+    "adamw_8bit": 20,
+    "paged_adamw_8bit": 20,
+    "adamw_torchao_8bit": 3,
+    "adamw_torchao_4bit": 3,
+}
+SINGLE_TENSOR_STEP_OPS = 12
+#: block-wise (de)quantisation of low-bit optimizer states in the step, as HBM-equivalent bytes
+#: per parameter beyond the bytes the step moves: each moment's code looked up (dequantised to
+#: fp32) and its new value searched in the 256-entry code book, with a block's absmax reduced
+#: first (bitsandbytes' ``kOptimizerStatic8bit2StateBlockwise``): about the cost of moving the
+#: two moments in fp32 once more (16 B) plus the block reductions (8 B); with the per-tensor
+#: Python above, torchtune's Llama 3.2 3B table's +8-bit AdamW rung (7,309 -> 6,960 tokens/s,
+#: 4.8% slower) comes out slower, where the bytes alone would make it faster. 4-bit (two codes
+#: a byte, 128-value blocks) taken 1.25x the 8-bit cost (no published figure)
+QUANT_STEP_BYTES = {
+    "adamw_8bit": 24,
+    "paged_adamw_8bit": 24,
+    "adamw_torchao_8bit": 24,
+    "adamw_torchao_4bit": 30,
+}
+#: how activation offloading copies: "compute" (on the compute stream, as ``save_on_cpu`` and
+#: the trial job's hooks do: not overlapped) or "side" (torchtune's ``OffloadActivations`` with
+#: ``use_streams``: overlapped with compute, exposed only beyond it); a configuration may name it
+#: as ``activation_offload_stream`` (the trial job's is "compute")
+OFFLOAD_STREAM_DEFAULT = "compute"
+#: gradient clipping (``clip_grad_norm_``): the norm reads every gradient, the scaling reads and
+#: writes them: 3 passes over the gradients' bytes
+CLIP_PASSES = 3
 #: speeds closer than this are not told apart: the calibration's median |error| rounded up
 #: (benchmarks/speed_calibration.py: 4.2%, in-sample)
 MODEL_ERROR = 0.06
@@ -96,13 +198,24 @@ class StepTime:
     optimizer: float = 0.0
     communication: float = 0.0
     offload: float = 0.0
+    #: launch-bound time beyond the GPU's (the per-step floor)
+    launch: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.compute + self.memory + self.optimizer + self.communication + self.offload
+        return (
+            self.compute
+            + self.memory
+            + self.optimizer
+            + self.communication
+            + self.offload
+            + self.launch
+        )
 
 
 def matmul_efficiency(gpu: GpuSpec) -> float:
+    if gpu.sm in MATMUL_EFFICIENCY_SM:
+        return MATMUL_EFFICIENCY_SM[gpu.sm]
     return MATMUL_EFFICIENCY.get(gpu.sm[0], DEFAULT_MATMUL_EFFICIENCY)
 
 
@@ -136,9 +249,12 @@ def step_time(
     layer_act_bytes: int,
     offloaded_activations: int = 0,
     shape: Shape | None = None,
+    clip: bool = False,
 ) -> StepTime:
     """The roofline of one step (``global_batch_size`` sequences per GPU); ``shape``: a
-    typical micro-batch of variable-length data (``trials.data``), rows x length positions."""
+    typical micro-batch of variable-length data (``trials.data``), rows x length positions;
+    ``clip``: gradients clipped by norm before the step. Paged optimizer states' migration is
+    added where the budget is known (``autotune.estimator.paging.apply_budget``)."""
     config = zero_equivalent(config)
     precision = str(config.get("precision", "fp32"))
     half = precision in ("bf16", "fp16")
@@ -152,8 +268,9 @@ def step_time(
     n = max(1, nproc)
     stage = int(config.get("zero_stage", 0) or 0)
     quant = str(config.get("quantization", "none") or "none")
-    frozen = quant != "none"
+    frozen = quant != "none" or adapts(config)
     attention = str(config.get("attention", "sdpa"))
+    compiled = compiles(config)
     optimizer = str(config.get("optimizer", "adamw"))
 
     # --- per micro-batch: forward, backward, recompute -----------------------------------------
@@ -161,7 +278,7 @@ def step_time(
         1, st.experts
     )
     mm_params = st.layers * per_layer_mm + st.vocab * st.hidden  # + the LM head
-    weights_read = wbytes * mm_params if not frozen else 2 * mm_params
+    weights_read = wbytes * mm_params if quant == "none" else 2 * mm_params
     fwd_mm = _roof(2 * tokens * mm_params, weights_read, peak, hbm)
     bwd_factor = 1 if frozen else 2  # frozen base: input gradients only
     bwd_mm = _roof(2 * bwd_factor * tokens * mm_params, bwd_factor * weights_read, peak, hbm)
@@ -171,11 +288,15 @@ def step_time(
         attn_fwd = attn_fwd_flops / peak
         attn_bwd = 2 * attn_fwd
     else:  # fused kernels: causal half skipped, backward recomputes the scores (2.5x forward)
-        attn_fwd = attn_fwd_flops / 2 / (peak * FLASH_EFFICIENCY.get(attention, 1.0))
+        kernel = attention
+        if attention == "sdpa" and shape is not None:
+            kernel = "sdpa_masked"  # packed or padded rows: sdpa gets a mask
+        attn_fwd = attn_fwd_flops / 2 / (peak * FLASH_EFFICIENCY.get(kernel, 1.0))
         attn_bwd = 2.5 * attn_fwd
-    elementwise = ELEMENTWISE_PASSES * layer_act_bytes * st.layers / hbm
+    passes = COMPILED_ELEMENTWISE_PASSES if compiled else ELEMENTWISE_PASSES
+    elementwise = passes * layer_act_bytes * st.layers / hbm
     dequant = 0.0
-    if frozen:
+    if quant != "none":
         qbytes = QUANT_BYTES.get(quant, 1.0)
         quantized = st.linear_params  # not the experts
         dequant = 2 * (qbytes + 2) * quantized / hbm  # forward and backward, read + write
@@ -223,25 +344,53 @@ def step_time(
     off_param = config.get("offload_param", "none") == "cpu" and stage >= 3
     shard = psi / n
     if off_opt:
+        # copied out in the reduction hooks on the compute stream, every micro-batch; after the
+        # first, the host's fp32 sums go up and back to be added on the GPU
         grads_down = wbytes * shard / pcie
-        offload += max(0.0, grads_down - bwd)  # copied out as buckets fill during backward
+        offload += accum * grads_down
+        if stage < 3:  # stage 3 adds each micro-batch's gradients on the host instead
+            offload += (accum - 1) * 2 * 4 * shard / pcie
         offload += CPU_ADAM_BYTES * shard / (HOST_MEMORY_GBPS * GB)  # the GPUs of a host share it
         offload += wbytes * shard / pcie  # updated weights back up
     if off_param:
         fetch = wbytes * shard / pcie
         comm_micro_exposed += max(0.0, fetch - fwd_all) + max(0.0, fetch - bwd)
-    # offloaded activations: out in forward, back in backward, on the compute stream
-    offload += accum * 2 * offloaded_activations / pcie
+    # offloaded activations: out in forward, back in backward, on the compute stream (or, on a
+    # side stream, behind the forward's and the backward's compute)
+    moved = offloaded_activations / pcie
+    if str(config.get("activation_offload_stream", OFFLOAD_STREAM_DEFAULT)) == "side":
+        offload += accum * (max(0.0, moved - fwd_all) + max(0.0, moved - bwd))
+    else:
+        offload += accum * 2 * moved
 
     # --- optimizer step on the device -------------------------------------------------------------
-    step_bytes = OPTIMIZER_STEP_BYTES.get(optimizer, 28)
+    step_bytes = OPTIMIZER_STEP_BYTES.get(optimizer, 28) + QUANT_STEP_BYTES.get(optimizer, 0)
+    if pure_bf16(config):  # the weight read and written, its gradient read: 2 bytes, not 4
+        step_bytes -= PURE16_SAVED_BYTES
     if frozen:
-        trainable = 2 * 8 * (st.layers * (st.layer_matrix_params // max(1, st.hidden)) + 1)
+        rank = int(config.get("lora_rank", 8) or 8)
+        trainable = 2 * rank * (st.layers * (st.layer_matrix_params // max(1, st.hidden)) + 1)
+        tensors = 2 * st.layers * 7  # an A and a B per adapted linear
     else:
         trainable = psi // (n if stage >= 1 else 1)
+        tensors = len(st.shapes)
     opt_s = 0.0 if off_opt else (step_bytes + (2 if stage >= 1 and half else 0)) * trainable / hbm
     if precision == "fp16" and not frozen:  # loss scaling: unscale and check every gradient
         opt_s += 8 * psi / hbm
+    per_tensor = TENSOR_STEP_OPS.get(optimizer, 0)
+    if steps_in_backward(config):
+        per_tensor = max(per_tensor, SINGLE_TENSOR_STEP_OPS)
+    if not off_opt and stage == 0:  # DeepSpeed steps its flat partitions
+        opt_s += tensors * per_tensor * LAUNCH_S
+    if clip:
+        opt_s += CLIP_PASSES * (2 if half else 4) * trainable / hbm
+
+    # --- the per-step floor: the CPU's launches against the GPU's time per micro-batch ---------
+    gpu_micro = fwd_all + bwd
+    ops = st.layers * (LAYER_OPS_FORWARD * (1 + rc) + LAYER_OPS_BACKWARD)
+    if compiled:
+        ops *= COMPILED_OPS
+    launch = max(0.0, ops * LAUNCH_S - gpu_micro)
 
     return StepTime(
         compute=accum * (fwd_mm + attn_fwd + recompute_compute + bwd_mm + attn_bwd),
@@ -250,12 +399,16 @@ def step_time(
         optimizer=opt_s,
         communication=accum * comm_micro_exposed + comm_step,
         offload=offload,
+        launch=accum * launch,
     )
 
 
 #: fused attention kernels' efficiency relative to the GEMMs (FlashAttention-2 reaches about the
 #: GEMM efficiency on A100/H100; sdpa's CUDA path dispatches to the same flash kernels)
-FLASH_EFFICIENCY = {"flash_attention_2": 1.0, "sdpa": 0.9}
+#: given a mask sdpa falls back to the memory-efficient (xformers/cutlass) kernel, about half
+#: FlashAttention-2's speed (Dao 2023, FlashAttention-2, figure 4: 2x over xformers' cutlass
+#: kernel on A100)
+FLASH_EFFICIENCY = {"flash_attention_2": 1.0, "sdpa": 0.9, "sdpa_masked": 0.5}
 
 
 def roofline(
@@ -304,5 +457,6 @@ def roofline(
         "optimizer": t.optimizer,
         "communication": t.communication,
         "offload": t.offload,
+        "launch": t.launch,
     }
     return est

@@ -1,0 +1,208 @@
+"""The fine-tuning terms of the speed model and the paging model, each against a hand
+computation, and the published fine-tuning benchmark's arithmetic on a few rows (not timed)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from autotune.estimator import speed
+from autotune.estimator.activations import layer_activation_bytes
+from autotune.estimator.analytical import AnalyticalEstimator
+from autotune.estimator.base import Estimate
+from autotune.estimator.gpus import GPUS
+from autotune.estimator.paging import apply_budget, page, paged_state_bytes
+from autotune.models import REGISTRY, stats_of
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+LLAMA7B = REGISTRY["llama-7b"].config
+LLAMA31 = REGISTRY["llama-3.1-8b"].config
+TINY = REGISTRY["tiny-llama"].config
+BASE = {"precision": "bf16", "attention": "sdpa", "optimizer": "adamw", "micro_batch_size": 4}
+
+
+def step(model: dict, gpu: str = "a100-80gb", seq: int = 2048, gbs: int = 4, **extra: object):
+    config = {**BASE, **extra}
+    st = stats_of(model)
+    acts = layer_activation_bytes(st, config, seq, int(config["micro_batch_size"]))
+    return speed.step_time(st, config, seq, gbs, 1, GPUS[gpu], acts)
+
+
+# --- the paging model ----------------------------------------------------------------------------
+
+
+def test_paged_states_are_bitsandbytes_8bit_states_of_the_big_tensors() -> None:
+    # llama-3.1-8b: every tensor but the 65 RMSNorm weights (4,096 values) has >= 100,000
+    # values; bitsandbytes keeps 2 bytes per value and an fp32 absmax per 256 for each moment
+    st = stats_of(LLAMA31)
+    big = st.n_params - 65 * 4096
+    hand = 2 * big + 8 * big // 256  # every big tensor's size is a multiple of 256
+    assert paged_state_bytes(LLAMA31, {"optimizer": "paged_adamw_8bit"}) == hand
+    assert paged_state_bytes(LLAMA31, {"optimizer": "adamw_8bit"}) == 0
+    frozen = {"optimizer": "paged_adamw_8bit", "quantization": "nf4"}
+    assert paged_state_bytes(LLAMA31, frozen) == 0
+
+
+def test_the_spill_follows_from_the_budget() -> None:
+    gib = 2**30
+    # 34 GiB with every state resident, 15 GiB of them paged, a 24 GiB budget: 10 GiB spill
+    p = page(34 * gib, 15 * gib, 24 * gib)
+    assert (p.peak, p.on_host, p.allocator_peak, p.fits) == (24 * gib, 10 * gib, 19 * gib, True)
+    # within the budget nothing moves
+    assert page(20 * gib, 15 * gib, 24 * gib).on_host == 0
+    # more to spill than is paged: it does not fit, every paged byte on the host
+    q = page(45 * gib, 15 * gib, 24 * gib)
+    assert (q.fits, q.on_host, q.peak) == (False, 15 * gib, 30 * gib)
+    # migrated each way at once over PCIe 4 x16 (32 GB/s at 80%): 10 GiB in 0.42 s
+    assert p.seconds(GPUS["rtx4090"]) == pytest.approx(10 * gib / (32e9 * 0.8))
+
+
+def test_apply_budget_moves_the_spill_to_the_host_and_prices_its_transfer() -> None:
+    gib = 2**30
+    paged = paged_state_bytes(LLAMA31, {"optimizer": "paged_adamw_8bit"})
+    peak = paged + 12 * gib
+    est = Estimate(peak, {"optimizer_states": paged}, tokens_per_s=1000.0, step_time_s=4.0)
+    p = apply_budget(est, LLAMA31, {"optimizer": "paged_adamw_8bit"}, 20 * gib, GPUS["rtx4090"])
+    assert p is not None
+    spill = peak - 20 * gib
+    assert est.peak_bytes == 20 * gib
+    assert est.host_breakdown["offloaded states"] == spill
+    assert est.breakdown["optimizer_states"] == paged - spill
+    extra = spill / (32e9 * 0.8)
+    assert est.step_time_s == pytest.approx(4.0 + extra)
+    assert est.tokens_per_s == pytest.approx(4000.0 / (4.0 + extra))
+
+
+def test_the_estimate_backend_pages_where_the_states_do_not_fit() -> None:
+    from autotune.estimator.exhaustive import score
+
+    config = {**BASE, "optimizer": "paged_adamw_8bit", "micro_batch_size": 1}
+    config["gradient_checkpointing"] = "full"
+    kw = {"seq_len": 512, "global_batch_size": 1, "nproc": 1, "gpu": GPUS["rtx4090"]}
+    full = AnalyticalEstimator().estimate(LLAMA7B, config, **kw)
+    paged = paged_state_bytes(LLAMA7B, config)
+    budget = full.peak_bytes - paged // 2
+    (s,) = score(LLAMA7B, [config], budget_bytes=budget, **kw)
+    assert s.fits and s.estimate.peak_bytes == budget
+    assert s.estimate.host_bytes - full.host_bytes == paged // 2 + paged % 2
+    (t,) = score(LLAMA7B, [config], budget_bytes=full.peak_bytes - paged - 1, **kw)
+    assert not t.fits and t.why_not == "device memory"
+
+
+# --- the speed model's fine-tuning terms ---------------------------------------------------------
+
+
+def test_a_tiny_micro_batch_is_bound_by_the_cpus_launches() -> None:
+    # tiny-llama, 8 tokens: the GPU's work is microseconds; the CPU launches 4 layers x (48
+    # forward + 96 backward) operators at 10 us each: 5.76 ms per micro-batch
+    t = step(TINY, seq=8, gbs=1, micro_batch_size=1)
+    assert t.compute + t.memory + t.launch == pytest.approx(4 * 144 * 10e-6)
+    # compiled: 35% of the launches remain
+    c = step(TINY, seq=8, gbs=1, micro_batch_size=1, compile=True)
+    assert c.compute + c.memory + c.launch == pytest.approx(0.35 * 4 * 144 * 10e-6)
+    # a big micro-batch is not launch-bound
+    assert step(LLAMA7B).launch == 0.0
+
+
+def test_compile_fuses_the_element_wise_passes() -> None:
+    # 1.5 instead of 4 passes over the kept activations (fused chains): the memory-bound part
+    # of a step scales by 1.5 / 4 (the same kept bytes here: compile also keeps fewer)
+    st = stats_of(LLAMA7B)
+    acts = layer_activation_bytes(st, BASE, 2048, 4)
+    gpu = GPUS["a100-80gb"]
+    plain = speed.step_time(st, BASE, 2048, 4, 1, gpu, acts)
+    compiled = speed.step_time(st, {**BASE, "compile": True}, 2048, 4, 1, gpu, acts)
+    assert compiled.memory == pytest.approx(plain.memory * 1.5 / 4)
+    assert compiled.compute == plain.compute
+
+
+def test_low_bit_states_pay_their_quantisation_and_per_tensor_python() -> None:
+    st = stats_of(LLAMA7B)
+    hbm = 2039e9 * 0.75
+    adamw, bnb = step(LLAMA7B).optimizer, step(LLAMA7B, optimizer="adamw_8bit").optimizer
+    # AdamW moves 28 B/param; bitsandbytes 16 + 24 of (de)quantisation, and 20 launches' worth
+    # of Python per tensor (291 tensors in llama-7b)
+    assert adamw == pytest.approx(28 * st.n_params / hbm)
+    assert bnb == pytest.approx(40 * st.n_params / hbm + len(st.shapes) * 20 * 10e-6)
+    # the step in backward steps each tensor alone: torch's single-tensor AdamW's 12 ops
+    inbwd = step(LLAMA7B, optimizer_in_backward=True, micro_batch_size=4).optimizer
+    assert inbwd == pytest.approx(adamw + len(st.shapes) * 12 * 10e-6)
+
+
+def test_clipping_reads_the_gradients_twice_and_writes_them_once() -> None:
+    st = stats_of(LLAMA7B)
+    config = {**BASE}
+    acts = layer_activation_bytes(st, config, 2048, 4)
+    gpu = GPUS["a100-80gb"]
+    plain = speed.step_time(st, config, 2048, 4, 1, gpu, acts)
+    clipped = speed.step_time(st, config, 2048, 4, 1, gpu, acts, clip=True)
+    assert clipped.optimizer - plain.optimizer == pytest.approx(
+        3 * 2 * st.n_params / (2039e9 * 0.75)
+    )
+
+
+def test_zero_offload_gradients_cross_pcie_every_micro_batch() -> None:
+    # ZeRO-2 offload, llama-7b on one A100 (PCIe 4: 32 GB/s at 80%), 4 micro-batches: each
+    # copies its 16-bit gradients out; after the first the host's fp32 sums go up and back;
+    # the CPU-Adam step (30 B/param at 100 GB/s) and the 16-bit weights back
+    psi = stats_of(LLAMA7B).n_params
+    pcie = 32e9 * 0.8
+    t = step(LLAMA7B, gbs=16, zero_stage=2, offload_optimizer="cpu")
+    hand = 4 * 2 * psi / pcie + 3 * 8 * psi / pcie + 30 * psi / 100e9 + 2 * psi / pcie
+    assert t.offload == pytest.approx(hand)
+    # ZeRO-3 adds each micro-batch's gradients on the host: no round trip
+    t3 = step(LLAMA7B, gbs=16, zero_stage=3, offload_optimizer="cpu")
+    assert t3.offload == pytest.approx(hand - 3 * 8 * psi / pcie)
+
+
+def test_side_stream_activation_offload_hides_behind_compute() -> None:
+    st = stats_of(LLAMA7B)
+    config = {**BASE, "gradient_checkpointing": "full", "activation_offload": "cpu"}
+    acts = layer_activation_bytes(st, config, 2048, 4)
+    gpu = GPUS["a100-80gb"]
+    moved = 2 * 4096 * 4 * 2048 * 32  # the layers' 16-bit inputs, 4 x 2048 tokens
+    compute = speed.step_time(st, config, 2048, 4, 1, gpu, acts, moved)
+    side = speed.step_time(
+        st, {**config, "activation_offload_stream": "side"}, 2048, 4, 1, gpu, acts, moved
+    )
+    assert compute.offload == pytest.approx(2 * moved / (32e9 * 0.8))
+    assert side.offload == 0.0  # 1.1 GB in 43 ms each way, behind seconds of compute
+
+
+def test_lora_on_a_bf16_base_skips_weight_gradients_without_dequantising() -> None:
+    full, lora = step(LLAMA7B), step(LLAMA7B, adapter="lora", lora_rank=16)
+    nf4 = step(LLAMA7B, quantization="nf4")
+    # forward 2 + backward 2 (input gradients only) of 2 + 4 FLOPs per parameter per token
+    assert lora.compute < 0.75 * full.compute
+    assert nf4.memory > lora.memory  # the nf4 base is dequantised before every use
+
+
+# --- the published benchmark's arithmetic ---------------------------------------------------------
+
+
+def test_benchmark_rows_have_sources_and_the_ladder_keeps_its_directions() -> None:
+    import finetune_anchors as fa
+
+    assert all(r.source.startswith("https://github.com/pytorch/torchtune") for r in fa.ROWS)
+    labels = {r.label for r in fa.ROWS}
+    assert {"8B full, RTX 4090", "8B LoRA, RTX 4090", "8B QLoRA, RTX 4090"} <= labels
+    rungs = [r for r in fa.ROWS if r.ladder]
+    preds = [fa.predict(r) for r in rungs[1:6]]  # packing .. step in backward
+    assert all(ok for _, ok, _ in fa.directions(preds))
+    # the error is the prediction against the published figure
+    p = preds[0]
+    assert p.speed_error == pytest.approx(100 * (p.tokens_per_s / p.row.tokens_per_s - 1))
+
+
+def test_benchmark_reports_rows_the_space_cannot_express_yet() -> None:
+    import finetune_anchors as fa
+
+    qlora = next(r for r in fa.ROWS if r.label == "8B QLoRA, RTX 4090")
+    assert fa.not_expressible(qlora.config, qlora.gpu, 2) == ""
+    assert "unknown_knob" in fa.not_expressible({"unknown_knob": 1}, "rtx4090", 2)
+    # compile over quantized weights is forbidden by the space's rules
+    why = fa.not_expressible({**qlora.config, "compile": True}, "rtx4090", 2)
+    assert why and "not allowed" in why
