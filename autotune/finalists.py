@@ -23,7 +23,7 @@ from autotune.study import settings_of
 
 #: re-measurement rounds per finalist, and the most finalists re-measured per class group
 CONFIRM_ROUNDS = 2
-MAX_FINALISTS = 4
+MAX_FINALISTS = 3
 
 
 def finalists(study: optuna.Study) -> list[list[int]]:
