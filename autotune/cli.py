@@ -430,7 +430,7 @@ def next_commands(
     type=click.IntRange(min=0),
     default=2,
     show_default=True,
-    help="Interleaved re-measurements of the finalists (within the noise of the best) before "
+    help="Rounds of side-by-side re-measurement of each class's fastest configurations before "
     "a winner is named; 0: none.",
 )
 @click.option(
