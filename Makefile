@@ -30,8 +30,11 @@ $(VENV)/.installed: scripts/install.sh pyproject.toml
 run: $(VENV)/.installed
 	$(VENV)/bin/autotune run $(RUN_ARGS)
 
+# one torch thread per trial: on a machine shared with other work, torch's default of a thread
+# per core spins against the other processes (the same reference trial measured 23 tokens/s
+# with the default and 344 with one thread on a 2-core machine at a load average of 11-14)
 demo: $(VENV)/.installed
-	$(VENV)/bin/autotune run $(DEMO_ARGS)
+	OMP_NUM_THREADS=1 $(VENV)/bin/autotune run $(DEMO_ARGS)
 
 # real services the tests use; an install or start that fails stops here with its reason:
 # PostgreSQL (the many-workers tests), a single-node Slurm (munge, slurmctld, slurmd: the Slurm
