@@ -5,6 +5,7 @@ click's parser of the real command and the real exit code."""
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -63,3 +64,14 @@ def test_the_fast_commands_run() -> None:
     for text, q in fast.items():
         code, output = CHECK.run(q, timeout=600)
         assert code == 0, f"{text}\n{output[-2000:]}"
+
+
+def test_the_readme_is_short_and_names_no_work_items() -> None:
+    """A newcomer's README: at most 300 lines; it and the guide speak of the product, not of the
+    work that made it (no issue or stop numbers, no commit hashes)."""
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 300
+    history = re.compile(r"\b(issue|stop) \d+\b|\bcommit [0-9a-f]{7}|\bat [0-9a-f]{7}\b", re.I)
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs" / "guide").glob("*.md"))]:
+        found = history.search(path.read_text())
+        assert found is None, f"{path.name}: {found.group(0) if found else ''}"
