@@ -99,8 +99,11 @@ class Row:
     @property
     def spread(self) -> float:
         """Relative noise of ``speed``: the larger of the within-trial step-time spread and the
-        range of the re-measurements."""
-        samples = self.remeasured or [self.tokens_per_s]
+        range of the re-measurements; with fewer than two re-measurements (one round), the range
+        over the trial's own measurement and its re-measurement, the only noise known."""
+        samples = (
+            self.remeasured if len(self.remeasured) > 1 else [self.tokens_per_s, *self.remeasured]
+        )
         between = (max(samples) - min(samples)) / self.speed if self.speed > 0 else 0.0
         return max(self.step_spread, between)
 

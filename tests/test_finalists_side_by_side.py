@@ -130,3 +130,18 @@ def test_a_single_feasible_configuration_is_not_re_measured(tmp_path: Path) -> N
     _add(study, REFERENCE, 1000.0)
     assert finalists(study) == []
     assert remeasure(study, LoadedMachine({}, []), rounds=2) == 0
+
+
+def test_one_round_keeps_the_first_measurement_as_the_noise(tmp_path: Path) -> None:
+    """One round gives one sample per finalist: no spread of its own. The speed is still the
+    side-by-side sample (1080 against 1000: 8%, beyond the 5% floor), but the noise is the range
+    over the trial's own measurement and it (4780 against 1000: 378%), so the answer is a tie,
+    said as one, never a winner named on a single sample of a loaded machine."""
+    study = _study(tmp_path)
+    ref = _add(study, REFERENCE, 4780.0)
+    fast = _add(study, FAST, 1000.0)
+    remeasure(study, LoadedMachine({_key(REFERENCE): 1000.0, _key(FAST): 1080.0}, [1.0, 1.0]), 1)
+    sel = select(study)
+    result = sel.classes["full"]
+    assert {r.number for r in result.contenders} == {ref, fast}
+    assert result.margin == pytest.approx(3.78)
