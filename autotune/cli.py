@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +20,9 @@ import click
 import optuna
 from click.core import ParameterSource
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from autotune.display import (
     commands_grid,
-    describe,
     ladder_table,
     print_answer,
     print_failures,
@@ -59,7 +57,8 @@ from autotune.lossguard import Prober, ProbeSettings
 from autotune.masking import mask_url, url_secrets
 from autotune.models import check_seq_len, resolve_model
 from autotune.pending import PENDING_DIR, PendingResults
-from autotune.runner import TrialRunner
+from autotune.progress import StudyProgress
+from autotune.runner import InProcessRunner, SubprocessRunner, TrialRunner
 from autotune.safe_files import database_files, write_folder
 from autotune.selector import select, selection_json
 from autotune.space import SearchSpace
@@ -86,7 +85,6 @@ from autotune.study import (
 from autotune.terminal import make_console, printable, shell_line
 from autotune.units import budget_label, format_size, parse_size
 from trials.data import Documents
-from trials.spec import TrialResult
 from trials.techniques import FIDELITY_CLASSES, classes_up_to
 from trials.techniques.zero import runs_deepspeed
 
@@ -202,31 +200,17 @@ def _optimize(
     study.sampler = make_sampler(
         study, settings.seed, salt=os.getpid() if worker else 0, space=space, strategy=strategy
     )
-    with Progress(
-        TextColumn("[bold]trials"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        TextColumn("{task.description}"),
-        console=console,
-        transient=False,
-    ) as progress:
-        task = progress.add_task("", total=n_trials)
-
-        def on_result(trial: Any, result: TrialResult) -> None:
-            progress.update(
-                task,
-                advance=1,
-                description=f"#{trial.number} {result.status} {format_size(result.peak_bytes)}"
-                f" {describe(trial.user_attrs.get('config', {}))}",
-            )
-
-        objective.on_result = on_result
+    # a line per finished trial and per long phase, in a terminal (above a bar) or not
+    with StudyProgress(study, console, n_trials).running() as progress:
+        if objective.prober is not None:
+            objective.prober.say = progress.say
         stopping = launched.stopping if isinstance(launched, SlurmRunner) else None
         try:
             with _terminate_as_interrupt(stopping):
                 if n_trials:
-                    _optimize_loop(study, objective, n_trials, timeout, settings.launcher)
+                    _optimize_loop(
+                        study, objective, n_trials, timeout, settings.launcher, progress.callback
+                    )
                 adopted.join()
         except Exception as exc:
             fault = _storage_fault(exc)
@@ -258,7 +242,7 @@ def _optimize(
             )
             sys.exit(130)
     if confirm and not worker and settings.backend != "estimate":
-        _confirm_finalists(study, launched, storage_url)
+        _confirm_finalists(study, launched, storage_url, progress.say)
 
 
 def _optimize_loop(
@@ -267,6 +251,7 @@ def _optimize_loop(
     n_trials: int,
     timeout: float | None,
     launcher: dict[str, Any],
+    on_trial: Callable[[optuna.Study, optuna.trial.FrozenTrial], None],
 ) -> None:
     """``study.optimize``, going on after a trial that another worker took over while this
     controller was paused (Optuna raises on telling it; its measurement is already stored as a
@@ -285,7 +270,7 @@ def _optimize_loop(
                 timeout=left,
                 catch=(TrialCrashed,),
                 n_jobs=concurrency(launcher),
-                callbacks=[objective.after_trial],
+                callbacks=[objective.after_trial, on_trial],
             )
             return
         except Exception as exc:
@@ -338,15 +323,23 @@ def _prober(settings: StudySettings, real: TrialRunner) -> tuple[Prober | None, 
         lr=settings.lr,
         backend="cuda" if settings.backend == "cuda" else "cpu",
     )
-    return Prober(settings.model_config, probe, real), ""
+    # a local CPU study trains its probes in this process: a probe's proxy trains in seconds,
+    # a job process would spend most of its time importing torch and transformers
+    local_cpu = type(real) is SubprocessRunner and settings.backend == "cpu"
+    return Prober(settings.model_config, probe, InProcessRunner() if local_cpu else real), ""
 
 
-def _confirm_finalists(study: optuna.Study, runner: TrialRunner, storage_url: str) -> None:
-    """Re-measure, interleaved, the configurations within the noise of each class's fastest."""
+def _confirm_finalists(
+    study: optuna.Study,
+    runner: TrialRunner,
+    storage_url: str,
+    say: Callable[[str], None] | None = None,
+) -> None:
+    """Re-measure side by side, interleaved, the fastest configurations of each class."""
     stopping = runner.stopping if isinstance(runner, SlurmRunner) else None
     try:
         with _terminate_as_interrupt(stopping):
-            ran = remeasure(study, runner, settings_of(study).confirm_rounds)
+            ran = remeasure(study, runner, settings_of(study).confirm_rounds, say)
     except KeyboardInterrupt:
         click.echo(
             "interrupted while re-measuring the finalists. Resume with"
@@ -355,7 +348,7 @@ def _confirm_finalists(study: optuna.Study, runner: TrialRunner, storage_url: st
         )
         sys.exit(130)
     if ran:
-        console.print(f"re-measured the finalists within the noise of the best: {ran} runs")
+        console.print(f"re-measured the fastest configurations side by side: {ran} runs")
 
 
 def _one_line(exc: BaseException, objective: Objective | None = None) -> str:
@@ -451,6 +444,7 @@ def _report(
                 f"{counts['oom']} over the budget {full_table}"
             )
         if per_class is not None:
+            console.print("tracing the best configuration's step on fake tensors", style="dim")
             confirm_winner(study, settings, console, per_class)
         console.print(commands_grid(commands))
     else:
@@ -545,7 +539,7 @@ def next_commands(
     type=click.IntRange(min=0),
     default=2,
     show_default=True,
-    help="Interleaved re-measurements of the finalists (within the noise of the best) before "
+    help="Rounds of side-by-side re-measurement of each class's fastest configurations before "
     "a winner is named; 0: none.",
 )
 @click.option(

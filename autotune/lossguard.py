@@ -28,7 +28,7 @@ import os
 import statistics
 import tempfile
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -169,6 +169,8 @@ class Prober:
         self.settings = settings
         self.runner = runner
         self.path = _cache_dir() / f"{self.family}.json"
+        #: hears a line before each probe that trains (not for a cached curve)
+        self.say: Callable[[str], None] | None = None
 
     def _key(self, numerics: dict[str, str], seed: int) -> str:
         s = self.settings
@@ -217,6 +219,12 @@ class Prober:
             lr=self.settings.lr,
         )
         name = "probe-" + hashlib.sha256(key.encode()).hexdigest()[:10]
+        if self.say is not None:
+            what = ", ".join(f"{k}={v}" for k, v in sorted(numerics.items())) or "fp32 AdamW"
+            self.say(
+                f"loss probe: {what}, seed {seed}, {self.settings.steps} steps on the "
+                f"{PROXY_LAYERS}x{PROXY_HIDDEN} proxy (cached for later studies)"
+            )
         result = self.runner.run(spec, name)
         if result.status != "ok" or not result.losses:
             # not cached: a probe that failed (a busy machine, a lost job) is tried again later

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -333,3 +334,21 @@ def merge_ranks(
         step_spread=max(r.step_spread for r in results),
         load_per_core=max(r.load_per_core for r in results),
     )
+
+
+class InProcessRunner(TrialRunner):
+    """Runs a job in this process, one at a time: for the loss probes of a local CPU study,
+    whose proxy trains in seconds while a job process spends most of its time importing torch
+    and transformers. The curve is the job's own (``trials.job.run_trial``, the same seed, data
+    and steps); a job that raises is a failed result, as a job process's would be."""
+
+    _lock = threading.Lock()  # the CPU tracker patches torch while it runs: one job at a time
+
+    def run(self, spec: TrialSpec, name: str) -> TrialResult:
+        from trials.job import run_trial  # torch and transformers: only when a probe runs
+
+        with self._lock:
+            try:
+                return run_trial(spec)
+            except Exception as exc:  # a failed probe is retried later, never a crashed study
+                return TrialResult(status="failed", error=f"{type(exc).__name__}: {exc}"[:2000])

@@ -6,7 +6,8 @@ A trial is feasible when it fits the budget and its stored loss verdict
 full training first, then reduced-precision state, other optimizers, adapters) the fastest is
 the winner only if it beats the others by more than the noise: the larger of
 ``NOISE_FLOOR`` (DeepSpeed's autotuner uses 5%) and the measured spread (step times within a
-trial, and re-measurements of the finalists, ``autotune/finalists.py``). Configurations within
+trial, and side-by-side re-measurements of the finalists, ``autotune/finalists.py``, which
+then decide alone: speeds taken at different moments are never compared). Configurations within
 the noise of the fastest tie, and a tie goes to the simplest: fewer techniques, lower ZeRO
 stage, no offload. The study's ``winner`` is the full-training one when one fits. Everything is
 recomputed from what the database holds, so ``show`` and ``run`` always agree.
@@ -94,14 +95,19 @@ class Row:
 
     @property
     def speed(self) -> float:
-        """The tokens/s decisions use: the median over the trial and its re-measurements."""
-        return statistics.median([self.tokens_per_s, *self.remeasured])
+        """The tokens/s decisions use: the median of the side-by-side re-measurements where
+        there are some (the trial's own measurement was taken at another moment), else the
+        trial's own."""
+        return statistics.median(self.remeasured) if self.remeasured else self.tokens_per_s
 
     @property
     def spread(self) -> float:
         """Relative noise of ``speed``: the larger of the within-trial step-time spread and the
-        range of the re-measurements."""
-        samples = [self.tokens_per_s, *self.remeasured]
+        range of the re-measurements; with fewer than two re-measurements (one round), the range
+        over the trial's own measurement and its re-measurement, the only noise known."""
+        samples = (
+            self.remeasured if len(self.remeasured) > 1 else [self.tokens_per_s, *self.remeasured]
+        )
         between = (max(samples) - min(samples)) / self.speed if self.speed > 0 else 0.0
         return max(self.step_spread, between)
 
@@ -150,6 +156,11 @@ def decide(feasible: list[Row]) -> tuple[Row | None, list[Row], float]:
             (r for r in feasible if r is not best and r.speed >= floor), key=lambda r: -r.speed
         )
         return best, ties, MODEL_ERROR
+    # speeds taken at different moments never decide: once the finalists were re-measured
+    # side by side (autotune/finalists.py), the decision is theirs alone
+    remeasured = [r for r in feasible if r.remeasured]
+    if remeasured:
+        feasible = remeasured
     best = max(feasible, key=lambda r: r.speed)
     contenders = [r for r in feasible if r.speed >= best.speed * (1 - margin_between(best, r))]
     winner = min(contenders, key=lambda r: (*simplicity(r.config), -r.speed, r.number))

@@ -177,7 +177,8 @@ for name, passed in checks.items():
 sys.exit(0 if all(checks.values()) else 1)
 PY
 
-# The techniques of issue 16, one real trial each beside the same configuration without it (bf16,
+# Chunked cross-entropy, per-op checkpointing, activation offload, the optimizer step in backward,
+# FSDP2 and torchao's optimizers, one real trial each beside the same configuration without it (bf16,
 # full checkpointing, the whole batch in one micro-batch, no budget): each must run, save memory
 # where it is meant to, and land within 10% of the analytical estimate.
 TECH_RC=0

@@ -1,4 +1,4 @@
-"""The estimate backend's space knows the trial space's techniques (issue 16): FSDP2 beside
+"""The estimate backend's space knows the trial space's techniques: FSDP2 beside
 DeepSpeed, the optimizer step in backward and the low-bit optimizers are choices of
 ``search_spaces/estimate.yaml``, under the same exclusions, and the estimator prices them.
 

@@ -65,7 +65,7 @@ def test_prediction_within_5_percent_of_a_measured_deepspeed_trial(
 
 
 #: the trials of ``test_prediction_within_5_percent_of_a_measured_deepspeed_trial`` (slow), as
-#: measured at fc6579b: case-ranks -> (training peak, host bytes the tracker counted as
+#: as measured: case-ranks -> (training peak, host bytes the tracker counted as
 #: offloaded, the peak agreement allowed: twice the analytical estimator's reached, at least
 #: 0.05%). Reached: peaks -0.002% to +1.5% (stage 3 on two ranks the most), host bytes exact but
 #: ZeRO-2 with offload on two ranks (-0.17%)

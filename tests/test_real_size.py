@@ -1,4 +1,4 @@
-"""Trials that build, fail and measure like a real job at real size (issue 11).
+"""Trials that build, fail and measure like a real job at real size.
 
 Real parts: real DeepSpeed ZeRO-3 on the CPU (gloo), real torchrun ranks, real SQLite and Optuna,
 real subprocesses. The pure CUDA functions are checked against the error texts the libraries

@@ -176,7 +176,7 @@ def test_optuna_dashboard_reads_the_study(study_dir: Path) -> None:
         assert keys == set(trial.user_attrs), trial.number
         assert {"config", "status", "peak_bytes", "tokens_per_s"} <= keys
         # Optuna 5 names constraints; the dashboard shows them through the user attr copy
-        assert set(trial.constraints) == {"memory", "loss", "failed"}  # failed: issue 11
+        assert set(trial.constraints) == {"memory", "loss", "failed"}
         shown = next(a["value"] for a in served["user_attrs"] if a["key"] == "constraints")
         assert json.loads(shown) == trial.constraints
         assert [p["name"] for p in served["params"]] == list(trial.params)

@@ -209,7 +209,7 @@ def test_crashing_and_hanging_trials_are_failures_with_reasons_and_the_study_goe
     study = make_study(storage, STUDY, TINY_SPACE)
     space = SearchSpace.from_dict(settings_of(study).space, "study")
     objective = Objective(study, space, Misbehaving(tmp_path / "runs"))
-    # four different configurations: a failed one is never run again (issue 11), so a repeat
+    # four different configurations: a failed one is never run again, so a repeat
     # would reuse the crash instead of hanging
     for ckpt, precision in (("off", "fp32"), ("off", "bf16"), ("full", "fp32"), ("full", "bf16")):
         study.enqueue_trial(
@@ -221,7 +221,7 @@ def test_crashing_and_hanging_trials_are_failures_with_reasons_and_the_study_goe
 
     trials = _trials(storage)
     # a crash is deterministic: a completed trial with the ``failed`` constraint the sampler
-    # learns from (issue 11); a time limit may be the machine's fault: a FAIL, retried
+    # learns from; a time limit may be the machine's fault: a FAIL, retried
     assert [t.state for t in trials] == [
         TrialState.COMPLETE,
         TrialState.COMPLETE,

@@ -251,7 +251,7 @@ def test_measured_budget_sets_the_replayed_budget(capsys: pytest.CaptureFixture[
 
 @pytest.mark.slow
 def test_a_real_study_at_scale_finds_a_fitting_exact_configuration(tmp_path: Path) -> None:
-    """Issue 17, item 3: tiny-llama (7.4M parameters) under a 48 MiB budget, where its fp32
+    """A real study at scale: tiny-llama (7.4M parameters) under a 48 MiB budget, where its fp32
     AdamW model states (16 B/param: 112 MiB) are 2.3x the budget and only sharded, offloaded
     configurations fit: within 8 real CPU trials (the CLI, DeepSpeed, the loss guard on) the
     study's reference is a fitting exact configuration, and besides it the search finds a
