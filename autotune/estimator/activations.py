@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from autotune.estimator.states import deepspeed_states
+from autotune.estimator.states import model_in_16_bits
 from autotune.models import ModelStats
 from trials.techniques.checkpointing import saved_ops
 from trials.techniques.compile import compiles
@@ -27,8 +27,9 @@ def layer_activation_bytes(
     saved = (4 if st.gated_mlp else 2) + ACT_EXTRA_SAVED.get(st.hidden_act, 0)
     mlp_w = saved * st.intermediate * max(1, st.top_k)
     half = config.get("precision", "fp32") in ("bf16", "fp16")
-    pure16 = half and deepspeed_states(config)
-    if pure16:  # DeepSpeed runs the model in 16 bits: only the norms upcast (fitted to traces)
+    pure16 = model_in_16_bits(config)
+    # DeepSpeed (and pure bf16) run the model in 16 bits: only the norms upcast (fitted to traces)
+    if pure16:
         per_token = 15 * h + 2 * (3 * q + 2 * kvw) + 2 * mlp_w
     elif half:
         per_token = 24 * h + 4 * h + 2 * (3 * q + 2 * kvw) + 2 * mlp_w
@@ -104,7 +105,7 @@ def compiled_saving(st: ModelStats, config: dict[str, Any]) -> int:
         and not st.qk_norm
         and not st.shared_norm_input
     )
-    if not compiles(config) or not llama or deepspeed_states(config):
+    if not compiles(config) or not llama or model_in_16_bits(config):
         return 0
     h, i = st.hidden, st.intermediate
     autocast = config.get("precision", "fp32") in ("bf16", "fp16")
@@ -122,7 +123,7 @@ def _fp32_experts(config: dict[str, Any]) -> bool:
     """Under autocast over fp32 weights an MoE layer's experts compute in fp32: their grouped
     matmul (``aten._grouped_mm``, transformers 5) has no autocast rule on CPU or CUDA. DeepSpeed's
     model and a quantized model's base are 16-bit."""
-    autocast = config.get("precision", "fp32") in ("bf16", "fp16") and not deepspeed_states(config)
+    autocast = config.get("precision", "fp32") in ("bf16", "fp16") and not model_in_16_bits(config)
     return autocast and str(config.get("quantization", "none") or "none") == "none"
 
 

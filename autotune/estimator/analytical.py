@@ -44,15 +44,16 @@ from autotune.estimator.states import (
     estimator_states,
     fsdp_held,
     host_with_activations,
+    pure_outside_deepspeed,
     zero_states_at,
 )
 from autotune.models import stats_of
 from trials.data import Documents, micro_shapes
-from trials.techniques import OPTIMIZERS
 from trials.techniques.activation_offload import offloads_activations
 from trials.techniques.cross_entropy import loss_tokens
 from trials.techniques.fsdp import runs_fsdp
 from trials.techniques.micro_batch import micro_and_accumulation
+from trials.techniques.optimizer import step_choice
 from trials.techniques.optimizer_in_backward import steps_in_backward
 from trials.techniques.packing import packs
 
@@ -81,9 +82,11 @@ class AnalyticalEstimator(Estimator):
         half = config.get("precision", "fp32") in ("bf16", "fp16")
         deepspeed = deepspeed_states(config)
         fsdp = runs_fsdp(config)
-        # the model itself in 16 bits (DeepSpeed's engine; FSDP2's mixed-precision policy): no
-        # autocast copies of the weights, a 16-bit residual stream and logits
-        model16 = deepspeed or fsdp
+        # the model itself in 16 bits (DeepSpeed's engine; FSDP2's mixed-precision policy; pure
+        # bf16, built in bf16): no autocast copies of the weights, a 16-bit residual stream and
+        # logits
+        pure = pure_outside_deepspeed(config)
+        model16 = deepspeed or fsdp or pure
         states = estimator_states(model_config, config, nproc, global_batch_size, gpu)
         params = states.parts["parameters"]
         grads = states.parts["gradients"]
@@ -156,8 +159,10 @@ class AnalyticalEstimator(Estimator):
             bwd_layers = stream + recompute
         grads_before = grads if accum > 1 else 0
         largest = st.largest_param
-        choice = OPTIMIZERS[str(config.get("optimizer", "adamw"))]
-        step_temps = choice.step_temporaries(largest, cuda) if not deepspeed else 0
+        step_temps = (
+            step_choice(config).step_temporaries(largest, cuda, pure) if not deepspeed else 0
+        )
+        gbytes = 2 if pure else 4  # a gradient's bytes per value (the parameter's dtype)
 
         moments = {
             "end of forward": (grads_before, acts + cache_in_fwd, fwd_logits, 0),
@@ -182,8 +187,8 @@ class AnalyticalEstimator(Estimator):
             # moment holds every gradient. The output layer's (the largest) is stepped first,
             # once the logits' gradients are gone and every kept activation still is; in the
             # first layer's backward one MLP matrix's at most; the embedding's after the layers
-            one_grad = min(grads, 4 * largest)
-            matrix = min(one_grad, 4 * h * st.intermediate)
+            one_grad = min(grads, gbytes * largest)
+            matrix = min(one_grad, gbytes * h * st.intermediate)
             del moments["optimizer step"], moments["end of backward"]
             moments["output layer's step"] = (one_grad, acts + cache_in_bwd, 0, step_temps)
             moments["first layer's backward"] = (matrix, bwd_layers, 0, 2 * matrix)

@@ -96,18 +96,34 @@ def param_shapes(cfg: dict[str, Any]) -> list[Shape]:
 _STATE_BYTES: dict[tuple[int, str], int] = {}
 
 
-def model_optimizer_bytes(st: ModelStats, name: str) -> int:
+def model_optimizer_bytes(st: ModelStats, name: str, pure: bool = False) -> int:
     """``optimizer_state_bytes`` over every parameter of the model, computed once per model."""
-    key = (id(st), name)
+    key = (id(st), f"{name}:pure" if pure else name)
     if key not in _STATE_BYTES:
-        _STATE_BYTES[key] = optimizer_state_bytes(name, st.shapes)
+        _STATE_BYTES[key] = optimizer_state_bytes(name, st.shapes, pure)
     return _STATE_BYTES[key]
 
 
-def optimizer_state_bytes(name: str, shapes: list[Shape] | tuple[Shape, ...]) -> int:
-    """State bytes of the optimizer for these parameters (step counters ignored): its module's
-    term (``trials.techniques.optimizer``, ``OptimizerChoice.state_bytes``)."""
-    return OPTIMIZERS[name].state_bytes(shapes)
+def optimizer_state_bytes(
+    name: str, shapes: list[Shape] | tuple[Shape, ...], pure: bool = False
+) -> int:
+    """State bytes of the optimizer for these parameters (step counters ignored; ``pure``: bf16
+    parameters, pure bf16): its module's term (``trials.techniques.optimizer``,
+    ``OptimizerChoice.states_of``)."""
+    return OPTIMIZERS[name].states_of(shapes, pure)
+
+
+def model_in_16_bits(config: dict[str, Any]) -> bool:
+    """Whether the model itself is 16-bit (no autocast over fp32 weights): DeepSpeed's engine in
+    bf16/fp16, or pure bf16 on any engine."""
+    half = str(config.get("precision", "fp32")) in ("bf16", "fp16")
+    return half and (deepspeed_states(config) or pure_bf16(config))
+
+
+def pure_outside_deepspeed(config: dict[str, Any]) -> bool:
+    """Pure bf16 on the torch engine or FSDP2: the model built in bf16, its gradients and the
+    optimizer's states made like it (DeepSpeed's pure bf16 is its own accounting)."""
+    return pure_bf16(config) and not deepspeed_states(config)
 
 
 def deepspeed_states(config: dict[str, Any]) -> bool:
@@ -302,20 +318,28 @@ def model_states(
     if quant != "none":
         return _quantized(st, config, quant, opt, precision, load_copy)
 
-    states = model_optimizer_bytes(st, opt)
+    if pure_outside_deepspeed(config):
+        # the model built in bf16 (the load copy too), its gradients and states like it
+        load_copy //= 2
+        states = model_optimizer_bytes(st, opt, pure=True)
+    else:
+        states = model_optimizer_bytes(st, opt)
     if runs_fsdp(config):
         return _fsdp_states(st, config, n, per_host, states, load_copy)
     if stage == 0 and runs_deepspeed(config):
         return _deepspeed_without_zero(st, config, opt, states, load_copy, cuda)
     if stage == 0:
-        grads = 4 * psi
+        wbytes = 2 if pure_outside_deepspeed(config) else 4
+        grads = wbytes * psi
         if n > 1 and not runs_deepspeed(config) and not steps_in_backward(config):
             # DistributedDataParallel: its flat buckets, a second copy of every gradient (the
             # reducer's, torch's default gradient_as_bucket_view=False), from the first backward on
-            grads += 4 * psi
+            grads += wbytes * psi
+        notes = ["pure bf16: bf16 weights, gradients and optimizer states"] if wbytes == 2 else []
         return ModelStates(
-            {"parameters": 4 * psi, "gradients": grads, "optimizer_states": states},
+            {"parameters": wbytes * psi, "gradients": grads, "optimizer_states": states},
             host=_host(0, load_copy),
+            notes=notes,
         )
 
     half = precision in ("bf16", "fp16")
@@ -654,15 +678,19 @@ def _phases3(
 def _fsdp_states(
     st: ModelStats, config: dict[str, Any], n: int, per_host: int, states: int, load_copy: int
 ) -> ModelStates:
-    """FSDP2: fp32 shards of the parameters, their gradients and the optimizer's states, 1/N of
-    each per rank (``fsdp_held`` has what a rank holds besides, moment by moment)."""
+    """FSDP2: fp32 shards of the parameters (bf16 in pure bf16), their gradients and the
+    optimizer's states, 1/N of each per rank (``fsdp_held`` has what a rank holds besides,
+    moment by moment)."""
     psi = st.n_params
+    mbytes = 2 if pure_bf16(config) else 4
     sharded = {
-        "parameters": 4 * psi // n,
-        "gradients": 4 * psi // n,
+        "parameters": mbytes * psi // n,
+        "gradients": mbytes * psi // n,
         "optimizer_states": states // n,
     }
     notes = [f"model states: FSDP2 {fsdp_mode(config)} over {n} GPU(s) by formula"]
+    if mbytes == 2:
+        notes.append("pure bf16: bf16 shards, gradients and optimizer states")
     offloaded = 0
     if offloads_shards(config):
         offloaded = sum(sharded.values()) * per_host
@@ -681,37 +709,38 @@ def fsdp_held(
     root's parameters (embeddings, head, final norm) gathered from the root's forward to the
     end of backward; a block's gathered for its forward and backward (with the next one
     prefetched), or, under ``shard_grad_op``, every block's from its forward to its backward;
-    a gathered gradient in the parameters' dtype and its copy in fp32 for the reduce-scatter;
-    the root's reduced at the very end of backward. Offloaded: shards, gradients and states on
-    the host, the step there too."""
+    a gathered gradient in the parameters' dtype and its copy in the reduce dtype (fp32 in mixed
+    precision, bf16 in pure bf16) for the reduce-scatter; the root's reduced at the very end of
+    backward. Offloaded: shards, gradients and states on the host, the step there too."""
     psi = st.n_params
+    pure = pure_bf16(config)
     w = 2 if str(config.get("precision", "fp32")) in ("bf16", "fp16") else 4
+    m = 2 if pure else 4  # the shards' (and their gradients') bytes, the reduce dtype's
     block = st.layer_params
     root = psi - st.layers * block
     offloaded = offloads_shards(config)
-    shards = 0 if offloaded else 4 * psi // n
-    optim = (
-        0 if offloaded else model_optimizer_bytes(st, str(config.get("optimizer", "adamw"))) // n
-    )
-    grads_kept = 0 if offloaded or accum == 1 else 4 * psi // n  # reduced each micro-batch
-    reduced = 0 if offloaded else 4 * (psi - root) // n  # every block's reduced gradient shard
+    shards = 0 if offloaded else m * psi // n
+    opt = str(config.get("optimizer", "adamw"))
+    optim = 0 if offloaded else model_optimizer_bytes(st, opt, pure) // n
+    grads_kept = 0 if offloaded or accum == 1 else m * psi // n  # reduced each micro-batch
+    reduced = 0 if offloaded else m * (psi - root) // n  # every block's reduced gradient shard
     # full_shard: each block resharded after its forward, none gathered at the end of forward
     # or the start of backward; shard_grad_op: every block gathered until its backward
     blocks_fwd = 0 if RESHARD[fsdp_mode(config)] else st.layers * w * block
-    # the reduce-scatter's fp32 input made from the gathered gradients; on a CPU the collective
-    # of 16-bit gradients adds an fp32 copy (measured on gloo); one rank has no collective
-    # (``foreach_reduce`` copies the input to the output)
-    cast = 4 if w != 4 and not cuda and n > 1 else 0
+    # the reduce-scatter's input made from the gathered gradients; on a CPU the collective
+    # of 16-bit gradients cast to fp32 adds an fp32 copy (measured on gloo); one rank has no
+    # collective (``foreach_reduce`` copies the input to the output)
+    cast = 4 if w != m and not cuda and n > 1 else 0
     gathered = w * root
-    if n == 1 and w == 4 and not offloaded:
+    if n == 1 and w == m and not offloaded:
         # one rank, no cast, shards on the device: the "gathered" parameters are the shards
         # themselves (``FSDPParamGroup.wait_for_unshard``'s world-size-1 path)
         gathered = blocks_fwd = 0
     held = {"parameters": shards, "gradients": 0, "optimizer_states": optim, "temporaries": 0}
     if moment == "optimizer step":
-        held["gradients"] = 0 if offloaded else 4 * psi // n
+        held["gradients"] = 0 if offloaded else m * psi // n
         biggest = (st.largest_param + n - 1) // n
-        held["temporaries"] = 0 if offloaded else adam_step_temporaries(biggest, cuda)
+        held["temporaries"] = 0 if offloaded else adam_step_temporaries(biggest, cuda, m)
     elif moment in ("end of forward", "start of backward"):
         held["parameters"] += gathered + blocks_fwd
         head = w * st.vocab * st.hidden if moment == "start of backward" else 0
@@ -721,7 +750,7 @@ def fsdp_held(
         # reduced gradient shard, the first block's gathered (and the embedding prefetched)
         held["parameters"] += gathered + (2 * w * block if gathered else 0)
         held["gradients"] = max(grads_kept, reduced) + w * st.vocab * st.hidden
-        held["temporaries"] = (w + 4 + cast) * block  # its gathered gradient, the fp32 copy
+        held["temporaries"] = (w + m + cast) * block  # its gathered gradient, the reduce's copy
     else:  # end of backward: the root's gradients reduced, its parameters resharded first
         # (``FSDPParamGroup.post_backward`` reshards before ``foreach_reduce``); several CPU
         # ranks keep that much again in gloo's reduce-scatter buffers (two gloo processes hold
@@ -729,11 +758,11 @@ def fsdp_held(
         if n > 1 and not cuda:
             held["parameters"] += gathered
         held["gradients"] = max(grads_kept, reduced)
-        # the copy-in (the root's gradients and the reduce's fp32 input), then the input and
-        # the reduced output; offloaded on a CPU, that output is the host gradient itself
+        # the copy-in (the root's gradients and the reduce's input), then the input and the
+        # reduced output; offloaded on a CPU, that output is the host gradient itself
         # (``.to("cpu")`` of a CPU tensor is no copy)
-        output = 0 if offloaded and not cuda else 4 * root // n
-        held["temporaries"] = max((w + 4 + cast) * root, 4 * root + output)
+        output = 0 if offloaded and not cuda else m * root // n
+        held["temporaries"] = max((w + m + cast) * root, m * root + output)
     return held
 
 

@@ -45,14 +45,15 @@ from trials.memory import host_scope
 from trials.techniques import OPTIMIZERS, PRECISIONS, REGISTRY
 from trials.techniques.compile import compiles
 from trials.techniques.micro_batch import micro_and_accumulation
-from trials.techniques.optimizer import TORCHAO_BLOCK, torchao_quantizes
+from trials.techniques.optimizer import STOCHASTIC_ADAMW, TORCHAO_BLOCK, torchao_quantizes
 from trials.techniques.optimizer_in_backward import InBackward, steps_in_backward
 from trials.techniques.packing import packs
+from trials.techniques.precision import pure_bf16, stochastic_rounding
 
 #: the tag of storages made in host memory (offloaded activations): not on the traced device
 HOST = "host"
 
-CACHE_VERSION = 7
+CACHE_VERSION = 8
 #: kernels that can't be built here, traced as one that keeps the same tensors for backward
 #: (flash-attn and sdpa's flash kernel both keep q, k, v, the output and the log-sum-exp)
 TRACED_ATTENTION = {"flash_attention_2": "sdpa"}
@@ -207,7 +208,8 @@ def _low_bit_states(bits: int) -> Any:
     def allocate(optimizer: torch.optim.Optimizer, cuda: bool) -> None:
         for group in optimizer.param_groups:
             for p in group["params"]:
-                temporaries = torch.empty(choice.step_temporaries(p.numel(), cuda) // 4)
+                pure = p.dtype == torch.bfloat16  # pure bf16's weights
+                temporaries = torch.empty(choice.step_temporaries(p.numel(), cuda, pure) // 4)
                 del temporaries
                 state = optimizer.state[p]
                 if state:
@@ -224,8 +226,22 @@ def _low_bit_states(bits: int) -> Any:
     return allocate
 
 
+def _stochastic_adamw_states(optimizer: torch.optim.Optimizer, cuda: bool) -> None:
+    """torchao's AdamW with bf16 stochastic rounding (a compiled step fake tensors can't run):
+    two moments like each bf16 parameter and, parameter by parameter, its step's temporaries."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            temporaries = torch.empty(STOCHASTIC_ADAMW.step_temporaries(p.numel(), cuda, True) // 4)
+            del temporaries
+            state = optimizer.state[p]
+            if not state:
+                state["exp_avg"] = torch.zeros_like(p)
+                state["exp_avg_sq"] = torch.zeros_like(p)
+
+
 #: optimizer -> (stand-in to construct, how its step runs on fake tensors)
 FAKE_STEP: dict[str, tuple[str, Any]] = {
+    "stochastic_adamw": ("adamw", _stochastic_adamw_states),
     "adafactor": ("adafactor", _adafactor_states),
     "adamw_8bit": ("adamw", _adamw_8bit_states),
     "paged_adamw_8bit": ("adamw", _adamw_8bit_states),
@@ -321,7 +337,11 @@ def trace_step(
     accum = min(2, accum)
     precision = PRECISIONS[config.get("precision", "fp32")]
     deepspeed = deepspeed_states(config)
+    # pure bf16 outside DeepSpeed: the model built in bf16, no autocast (as DeepSpeed's 16 bits)
+    model16 = deepspeed or pure_bf16(config)
     opt_name = str(config.get("optimizer", "adamw"))
+    if opt_name == "adamw" and stochastic_rounding(config) and not deepspeed:
+        opt_name = "stochastic_adamw"
     vocab = int(model_config["vocab_size"])
     tracker = PhaseTracker()
     with (
@@ -332,7 +352,7 @@ def trace_step(
         attention = str(config.get("attention", "sdpa"))
         # DeepSpeed's engine runs the model in 16 bits: build it so (``model.to(dtype)`` can't
         # swap parameters under fake tensors)
-        dtype = precision.autocast_dtype if deepspeed else None
+        dtype = precision.autocast_dtype if model16 else None
         traced_cfg = dict(model_config)
         if attention != "eager" and cuda:
             # CUDA's fused kernels apply attention dropout inside (no mask kept); the CPU's
@@ -385,7 +405,7 @@ def trace_step(
             optimizer = factory(model.parameters(), 1e-3)
         autocast = (
             torch.autocast("cpu", dtype=precision.autocast_dtype)
-            if precision.autocast_dtype is not None and not deepspeed
+            if precision.autocast_dtype is not None and not model16
             else nullcontext()
         )
         for _ in range(steps):
