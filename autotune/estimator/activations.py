@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from autotune.estimator.states import model_in_16_bits
+from autotune.estimator.states import adapter_shapes, model_in_16_bits
 from autotune.models import ModelStats
 from trials.techniques.checkpointing import saved_ops
 from trials.techniques.compile import compiles
@@ -160,3 +160,35 @@ def saved_op_bytes(st: ModelStats, config: dict[str, Any], seq_len: int, micro: 
         if st.experts and _fp32_experts(config):
             per_token += 2 * mlp
     return per_token * seq_len * micro
+
+
+#: DoRA's bytes per adapted output feature per token kept for backward beyond LoRA's, under
+#: a 16-bit base: peft's ``DoraLinearLayer.forward`` keeps the base layer's output and the
+#: adapter's (16-bit, 2 + 2) to scale them by the magnitude over the weight's norm; that fp32
+#: scale promotes the layer's output to fp32, which the ops after it keep (measured: 6.49 B on
+#: tiny-llama, every linear adapted, bf16); under fp32, the two outputs (4 + 4)
+DORA_BYTES = {True: 6.5, False: 8.0}
+
+
+def adapter_activation_bytes(st: ModelStats, config: dict[str, Any], tokens: int) -> int:
+    """How much more (or less) LoRA/DoRA adapters keep for backward than full training of the
+    model's layers, over every layer: each adapter's rank-wide A output (B's input, in the
+    compute dtype) and, for DoRA, ``DORA_BYTES`` per adapted output feature; less what frozen
+    weights' gradients would have needed: with attention-only adapters the MLP's output
+    projection's input (its weight frozen, nothing reads it in backward), and in fp32 each
+    norm's normalised input (its frozen scale needs no gradient; in 16 bits the fitted norm
+    terms stand)."""
+    from trials.techniques.adapter import adapter_of, rank_of, targets_of
+
+    shapes, outputs = adapter_shapes(st, config)
+    half = config.get("precision", "fp32") in ("bf16", "fp16")
+    width = 2 if half else 4
+    adapted = sum(1 for s in shapes if len(s) == 2) // 2
+    total = adapted * rank_of(config) * width * tokens
+    if adapter_of(config) == "dora":
+        total += int(DORA_BYTES[half] * outputs * tokens)
+    if targets_of(config) == "attention":
+        total -= st.layers * width * st.intermediate * max(1, st.top_k) * tokens
+    if not half:
+        total -= st.layers * st.norms * 4 * st.hidden * tokens
+    return total

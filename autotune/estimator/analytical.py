@@ -32,6 +32,7 @@ from typing import Any
 
 from autotune.estimator.activations import (
     NORM_BYTES,
+    adapter_activation_bytes,
     dropout_mask_bytes,
     layer_activation_bytes,
     saved_op_bytes,
@@ -40,16 +41,19 @@ from autotune.estimator.base import PARTS, Estimate, Estimator
 from autotune.estimator.gpus import GpuSpec
 from autotune.estimator.speed import roofline
 from autotune.estimator.states import (
+    adapter_shapes,
     deepspeed_states,
     estimator_states,
     fsdp_held,
     host_with_activations,
+    numel,
     pure_outside_deepspeed,
     zero_states_at,
 )
 from autotune.models import stats_of
 from trials.data import Documents, micro_shapes
 from trials.techniques.activation_offload import offloads_activations
+from trials.techniques.adapter import adapted_16bit, adapts
 from trials.techniques.cross_entropy import loss_tokens
 from trials.techniques.fsdp import runs_fsdp
 from trials.techniques.micro_batch import micro_and_accumulation
@@ -86,7 +90,8 @@ class AnalyticalEstimator(Estimator):
         # bf16, built in bf16): no autocast copies of the weights, a 16-bit residual stream and
         # logits
         pure = pure_outside_deepspeed(config)
-        model16 = deepspeed or fsdp or pure
+        adapted = adapts(config)  # LoRA/DoRA: the base frozen (16-bit under bf16/fp16)
+        model16 = deepspeed or fsdp or pure or adapted_16bit(config)
         states = estimator_states(model_config, config, nproc, global_batch_size, gpu)
         params = states.parts["parameters"]
         grads = states.parts["gradients"]
@@ -99,10 +104,12 @@ class AnalyticalEstimator(Estimator):
         # frozen quantized weights are dequantized per use, not kept as 16-bit copies
         cached_params = head_params + (0 if quantized else linear_params)
         weight_cache = 2 * cached_params if half and not model16 else 0
-        layer_weight_cache = 2 * layer_linear if half and not quantized else 0
+        layer_weight_cache = 2 * layer_linear if half and not quantized and not adapted else 0
 
         cuda = gpu is not None
         per_layer = layer_activation_bytes(st, config, length, micro, cuda)
+        if adapted:
+            per_layer += adapter_activation_bytes(st, config, tokens) // layers
         stream_width = 2 if model16 and half else 4  # the residual stream's dtype
         stream = stream_width * h * tokens  # a layer's input
         ckpt = str(config.get("gradient_checkpointing", "off"))
@@ -131,7 +138,8 @@ class AnalyticalEstimator(Estimator):
             # head-sized gradients, of the 16-bit weight copy under autocast); and the hidden
             # states' gradient filled slice by slice
             grad_bytes = 2 if half else 4
-            bwd_logits += 2 * grad_bytes * head_params + 4 * h * tokens
+            head_grads = 0 if adapted else 2 * grad_bytes * head_params  # a frozen head: none
+            bwd_logits += head_grads + 4 * h * tokens
         if (
             documents is not None
             and packs(config)
@@ -159,6 +167,8 @@ class AnalyticalEstimator(Estimator):
             bwd_layers = stream + recompute
         grads_before = grads if accum > 1 else 0
         largest = st.largest_param
+        if adapted:  # the largest trainable tensor: an adapter's
+            largest = max(numel(s) for s in adapter_shapes(st, config)[0])
         step_temps = (
             step_choice(config).step_temporaries(largest, cuda, pure) if not deepspeed else 0
         )

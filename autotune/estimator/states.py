@@ -42,6 +42,7 @@ from typing import Any
 from autotune.estimator.gpus import GpuSpec
 from autotune.models import ModelStats, stats_of
 from trials.techniques import OPTIMIZERS
+from trials.techniques.adapter import adapted_16bit, adapter_of, adapts, rank_of, targets_of
 from trials.techniques.fsdp import RESHARD, fsdp_mode, offloads_shards, runs_fsdp
 from trials.techniques.micro_batch import micro_and_accumulation
 from trials.techniques.optimizer_in_backward import steps_in_backward
@@ -115,9 +116,9 @@ def optimizer_state_bytes(
 
 def model_in_16_bits(config: dict[str, Any]) -> bool:
     """Whether the model itself is 16-bit (no autocast over fp32 weights): DeepSpeed's engine in
-    bf16/fp16, or pure bf16 on any engine."""
+    bf16/fp16, pure bf16 on any engine, or a frozen 16-bit base under adapters."""
     half = str(config.get("precision", "fp32")) in ("bf16", "fp16")
-    return half and (deepspeed_states(config) or pure_bf16(config))
+    return half and (deepspeed_states(config) or pure_bf16(config) or adapted_16bit(config))
 
 
 def pure_outside_deepspeed(config: dict[str, Any]) -> bool:
@@ -317,6 +318,8 @@ def model_states(
 
     if quant != "none":
         return _quantized(st, config, quant, opt, precision, load_copy)
+    if adapts(config):
+        return _adapted(st, config, opt, load_copy)
 
     if pure_outside_deepspeed(config):
         # the model built in bf16 (the load copy too), its gradients and states like it
@@ -827,6 +830,48 @@ def _lora(st: ModelStats, r: int) -> tuple[int, tuple[Shape, ...], int, int]:
             lora_shapes += [(r, in_f), (out_f, r)]
         _LORA[key] = (quantized, tuple(lora_shapes), sum(numel(s) for s in lora_shapes), rows)
     return _LORA[key]
+
+
+def adapter_shapes(st: ModelStats, config: dict[str, Any]) -> tuple[list[Shape], int]:
+    """The trainable shapes of the config's LoRA/DoRA adapters (A and B of each adapted layer,
+    DoRA's magnitude vectors) and the adapted layers' summed output width."""
+    r = rank_of(config)
+    if targets_of(config) == "all_linear":  # every 2-D weight of the layers, as peft adapts
+        adapted = [s for s in st.shapes if len(s) == 2 and numel(s) < st.vocab * st.hidden]
+    else:  # the attention's q, k, v and output projections
+        q, kv = st.heads * st.head_dim, st.kv_heads * st.head_dim
+        adapted = [(q, st.hidden), (kv, st.hidden), (kv, st.hidden), (st.hidden, q)]
+        adapted *= st.layers
+    shapes: list[Shape] = []
+    for out_f, in_f in adapted:
+        shapes += [(r, in_f), (out_f, r)]
+    outputs = sum(int(s[0]) for s in adapted)
+    if adapter_of(config) == "dora":
+        shapes += [(int(s[0]),) for s in adapted]
+    return shapes, outputs
+
+
+def _adapted(st: ModelStats, config: dict[str, Any], opt: str, load_copy: int) -> ModelStates:
+    """LoRA/DoRA on a frozen base (``trials.techniques.adapter``): the base in 16 bits under
+    bf16/fp16 (fp32 otherwise), the adapters, their gradients and the optimizer's states in
+    fp32."""
+    shapes, _ = adapter_shapes(st, config)
+    trainable = sum(numel(s) for s in shapes)
+    base = (2 if adapted_16bit(config) else 4) * st.n_params
+    r = rank_of(config)
+    return ModelStates(
+        {
+            "parameters": base + 4 * trainable,
+            "gradients": 4 * trainable,
+            "optimizer_states": optimizer_state_bytes(opt, shapes),
+        },
+        replaces_trace=True,
+        host=_host(0, load_copy),
+        notes=[
+            f"{adapter_of(config)} r={r} on {targets_of(config)} over a frozen base "
+            f"({trainable / 1e6:.2f}M trainable) by formula"
+        ],
+    )
 
 
 def _quantized(

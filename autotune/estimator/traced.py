@@ -30,6 +30,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from autotune.estimator.activations import adapter_activation_bytes
 from autotune.estimator.base import PARTS, Estimate, Estimator
 from autotune.estimator.gpus import GpuSpec
 from autotune.estimator.speed import roofline
@@ -43,6 +44,7 @@ from autotune.models import stats_of
 from trials.data import Documents, Shape, micro_shapes
 from trials.memory import host_scope
 from trials.techniques import OPTIMIZERS, PRECISIONS, REGISTRY
+from trials.techniques.adapter import adapted_16bit, adapts
 from trials.techniques.compile import compiles
 from trials.techniques.micro_batch import micro_and_accumulation
 from trials.techniques.optimizer import STOCHASTIC_ADAMW, TORCHAO_BLOCK, torchao_quantizes
@@ -338,7 +340,7 @@ def trace_step(
     precision = PRECISIONS[config.get("precision", "fp32")]
     deepspeed = deepspeed_states(config)
     # pure bf16 outside DeepSpeed: the model built in bf16, no autocast (as DeepSpeed's 16 bits)
-    model16 = deepspeed or pure_bf16(config)
+    model16 = deepspeed or pure_bf16(config) or bool(config.get("model16"))
     opt_name = str(config.get("optimizer", "adamw"))
     if opt_name == "adamw" and stochastic_rounding(config) and not deepspeed:
         opt_name = "stochastic_adamw"
@@ -483,8 +485,21 @@ class TracedEstimator(Estimator):
         traced_cfg = {
             k: v
             for k, v in config.items()
-            if k not in ("zero_stage", "offload_optimizer", "offload_param", "quantization")
+            if k
+            not in (
+                "zero_stage",
+                "offload_optimizer",
+                "offload_param",
+                "quantization",
+                "adapter",
+                "lora_rank",
+                "lora_targets",
+            )
         }
+        if adapted_16bit(config):
+            # adapters over a 16-bit base trace as the 16-bit model (peft's modules can't be
+            # moved between dtypes on fake tensors); their own activations are added after
+            traced_cfg["model16"] = True
         if deepspeed_states(config):
             traced_cfg["deepspeed"] = True
         # the CPU's kernels trace what a GPU's fuse (attention dropout): its own cache entry
@@ -609,6 +624,15 @@ class TracedEstimator(Estimator):
             breakdown["activations"] -= cut
             peak -= cut
             notes.append("16-bit copies of the (frozen, quantized) base weights removed")
+        if adapts(config):
+            # the trace trains the frozen model: what the adapters keep beside (or spare)
+            st_tokens = micro_shapes(config, seq_len, global_batch_size, documents, nproc)[0]
+            delta = adapter_activation_bytes(st, config, st_tokens.rows * st_tokens.length)
+            if breakdown["activations"] > 0:
+                delta = max(delta, -breakdown["activations"])
+                breakdown["activations"] += delta
+                peak += delta
+            notes.append("adapters' activations added to the frozen model's trace by formula")
         if compiles(config):
             # fake tensors run the layers eagerly: what the compiled layers do not keep is the
             # analytical model's difference (measured with saved-tensor hooks on a compiled one)
