@@ -83,6 +83,7 @@ def test_the_space_offers_it_on_every_engine_and_stochastic_on_the_torch_engine(
     # the dimensions that decide the engine and the optimizer (the whole grid is large)
     keep = {"precision", "optimizer", "optimizer_in_backward", "compile", "fsdp"}
     keep |= {"fsdp_offload", "zero_stage", "offload_optimizer", "master_weights", "quantization"}
+    keep |= {"adapter"}
     data["dimensions"] = {k: v for k, v in data["dimensions"].items() if k in keep}
     data["rules"] = [r for r in data["rules"] if set(r["forbid"]) <= keep]
     data["reference"] = {k: v for k, v in data["reference"].items() if k in keep}

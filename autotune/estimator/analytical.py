@@ -200,7 +200,11 @@ class AnalyticalEstimator(Estimator):
             one_grad = min(grads, gbytes * largest)
             matrix = min(one_grad, gbytes * h * st.intermediate)
             del moments["optimizer step"], moments["end of backward"]
-            moments["output layer's step"] = (one_grad, acts + cache_in_bwd, 0, step_temps)
+            # the head's 16-bit weight copy (autocast's, saved for its input's gradient) is
+            # freed with the head's backward, before its step
+            head_cache = 2 * head_params * (layers - n_ckpt) // layers if weight_cache else 0
+            head_acts_cache = acts + max(0, cache_in_bwd - head_cache)
+            moments["output layer's step"] = (one_grad, head_acts_cache, 0, step_temps)
             moments["first layer's backward"] = (matrix, bwd_layers, 0, 2 * matrix)
             moments["end of backward"] = (one_grad, 0, 0, step_temps)
         if fsdp:

@@ -116,9 +116,13 @@ def optimizer_state_bytes(
 
 def model_in_16_bits(config: dict[str, Any]) -> bool:
     """Whether the model itself is 16-bit (no autocast over fp32 weights): DeepSpeed's engine in
-    bf16/fp16, pure bf16 on any engine, or a frozen 16-bit base under adapters."""
+    bf16/fp16, FSDP2 in bf16, pure bf16 on any engine, or a frozen 16-bit base under
+    adapters."""
     half = str(config.get("precision", "fp32")) in ("bf16", "fp16")
-    return half and (deepspeed_states(config) or pure_bf16(config) or adapted_16bit(config))
+    sixteen = deepspeed_states(config) or pure_bf16(config) or adapted_16bit(config)
+    # FSDP2's mixed-precision policy computes on 16-bit copies of the shards and casts the
+    # root's inputs: the model runs in 16 bits
+    return half and (sixteen or runs_fsdp(config))
 
 
 def pure_outside_deepspeed(config: dict[str, Any]) -> bool:
@@ -746,7 +750,10 @@ def fsdp_held(
         held["temporaries"] = 0 if offloaded else adam_step_temporaries(biggest, cuda, m)
     elif moment in ("end of forward", "start of backward"):
         held["parameters"] += gathered + blocks_fwd
-        head = w * st.vocab * st.hidden if moment == "start of backward" else 0
+        # the head's gradient: beside the logits' only under chunked cross-entropy (summed
+        # slice by slice); the full loss's logits gradients are gone before the head's backward
+        chunked = str(config.get("cross_entropy", "full")) == "chunked"
+        head = w * st.vocab * st.hidden if moment == "start of backward" and chunked else 0
         held["gradients"] = grads_kept + head
     elif moment == "first layer's backward":
         # the root's gathered parameters and its gradients so far (the head's), every block's

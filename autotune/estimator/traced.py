@@ -37,6 +37,7 @@ from autotune.estimator.speed import roofline
 from autotune.estimator.states import (
     deepspeed_states,
     estimator_states,
+    fsdp_held,
     host_with_activations,
     zero_states_at,
 )
@@ -46,6 +47,7 @@ from trials.memory import host_scope
 from trials.techniques import OPTIMIZERS, PRECISIONS, REGISTRY
 from trials.techniques.adapter import adapted_16bit, adapts
 from trials.techniques.compile import compiles
+from trials.techniques.fsdp import runs_fsdp
 from trials.techniques.micro_batch import micro_and_accumulation
 from trials.techniques.optimizer import STOCHASTIC_ADAMW, TORCHAO_BLOCK, torchao_quantizes
 from trials.techniques.optimizer_in_backward import InBackward, steps_in_backward
@@ -55,7 +57,7 @@ from trials.techniques.precision import pure_bf16, stochastic_rounding
 #: the tag of storages made in host memory (offloaded activations): not on the traced device
 HOST = "host"
 
-CACHE_VERSION = 8
+CACHE_VERSION = 10
 #: kernels that can't be built here, traced as one that keeps the same tensors for backward
 #: (flash-attn and sdpa's flash kernel both keep q, k, v, the output and the log-sum-exp)
 TRACED_ATTENTION = {"flash_attention_2": "sdpa"}
@@ -92,6 +94,10 @@ class PhaseTracker(TorchDispatchMode):
         # the gradient firing it is held with
         self.first_hook_peak = 0
         self.at_first_hook: dict[str, int] = {}
+        # inside backward before its first gradient hook (the logits' gradients, every
+        # activation): the largest such moment and the per-tag totals at it
+        self.backward_peak = 0
+        self.at_backward_peak: dict[str, int] = {}
 
     def gradient_hook(self) -> None:
         """A gradient is complete; the first of a backward pass starts its hooked span."""
@@ -151,6 +157,9 @@ class PhaseTracker(TorchDispatchMode):
             self.at_peak = dict(self.live)
         if self.hooked:
             self._note_hook_peak()
+        elif self.phase == "temporaries" and self.total > self.backward_peak:
+            self.backward_peak = self.total
+            self.at_backward_peak = dict(self.live)
         weakref.finalize(storage, self._release, key)
 
     def retag(self, t: torch.Tensor, tag: str) -> None:
@@ -341,6 +350,9 @@ def trace_step(
     deepspeed = deepspeed_states(config)
     # pure bf16 outside DeepSpeed: the model built in bf16, no autocast (as DeepSpeed's 16 bits)
     model16 = deepspeed or pure_bf16(config) or bool(config.get("model16"))
+    # FSDP2 computes on 16-bit copies of its shards (its mixed-precision policy): the model
+    # runs in 16 bits as DeepSpeed's does
+    model16 = model16 or runs_fsdp(config)
     opt_name = str(config.get("optimizer", "adamw"))
     if opt_name == "adamw" and stochastic_rounding(config) and not deepspeed:
         opt_name = "stochastic_adamw"
@@ -436,6 +448,8 @@ def trace_step(
     parts["hook:peak"] = tracker.hook_peak
     parts.update({f"first_hook:{k}": max(0, tracker.at_first_hook.get(k, 0)) for k in PARTS})
     parts["first_hook:peak"] = tracker.first_hook_peak
+    parts.update({f"bwd:{k}": max(0, tracker.at_backward_peak.get(k, 0)) for k in PARTS})
+    parts["bwd:peak"] = tracker.backward_peak
     parts["host_activations"] = tracker.host_peak
     parts["eager_fallback"] = fallback
     return parts
@@ -447,7 +461,8 @@ TRACED_STATES = ("parameters", "gradients", "optimizer_states")
 
 def _net_of_states(parts: dict[str, int], prefix: str = "") -> tuple[int, dict[str, int]]:
     """A traced peak (``prefix``: "" the step's, "hook:" the one after a first gradient hook,
-    "first_hook:" the one at it) and its breakdown, less the trace's model states."""
+    "first_hook:" the one at it, "bwd:" the one in backward before it) and its breakdown, less
+    the trace's model states."""
     breakdown = {k: parts[prefix + k] for k in PARTS}
     peak = parts[prefix + "peak"]
     for k in TRACED_STATES:
@@ -610,6 +625,38 @@ class TracedEstimator(Estimator):
                 breakdown["temporaries"] += held.pop("temporaries")
                 breakdown.update(held)
             breakdown = {k: breakdown.get(k, 0) for k in PARTS}
+            notes.extend(states.notes)
+        elif runs_fsdp(config):
+            # FSDP2: the trace ran one unsharded process. Its activations and logits at the
+            # first gradient hook (the start of backward) beside what a rank holds then
+            # (``fsdp_held``: shards, gathered parameters, the head's gradient), unless a moment
+            # with no activation left (the end of backward's reductions, the step) holds more
+            # (in backward before that hook too: the logits' gradients)
+            hook_peak, hook = max(
+                (_net_of_states(parts, prefix) for prefix in ("bwd:", "first_hook:")),
+                key=lambda net: net[0],
+            )
+            held = fsdp_held(st, config, nproc, "start of backward", accum, cuda=gpu is not None)
+            peak = hook_peak + sum(held.values())
+            breakdown = {**hook, **held, "temporaries": hook["temporaries"] + held["temporaries"]}
+            for moment in ("end of backward", "optimizer step"):
+                alone = fsdp_held(st, config, nproc, moment, accum, cuda=gpu is not None)
+                if sum(alone.values()) > peak:
+                    peak, breakdown = sum(alone.values()), {**dict.fromkeys(PARTS, 0), **alone}
+            breakdown = {k: breakdown.get(k, 0) for k in PARTS}
+            notes.extend(states.notes)
+        elif adapts(config):
+            # the trace trained every weight of the frozen model: its step and the end of its
+            # backward (every gradient, AdamW's temporaries) are not the adapters'. Its
+            # activations and logits at the start of backward (before or at its first gradient
+            # hook, or after it) beside the formula's states, the adapters' step being small
+            peak, breakdown = -1, {}
+            for prefix in ("bwd:", "first_hook:", "hook:"):
+                net, parts_at = _net_of_states(parts, prefix)
+                if net > peak:
+                    peak, breakdown = net, parts_at
+            peak += sum(states.parts.values())
+            breakdown = {k: breakdown.get(k, 0) for k in PARTS} | states.parts
             notes.extend(states.notes)
         elif states.replaces_trace:
             # The trace ran one unsharded process: swap its model states for the formula's.
