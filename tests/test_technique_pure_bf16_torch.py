@@ -150,3 +150,24 @@ def test_half_the_model_states_of_autocast() -> None:
         assert pure.memory_breakdown[role] == pytest.approx(pure_bytes * PSI, rel=1e-4)
     assert pure.peak_bytes < 0.6 * mixed.peak_bytes
     assert pure.losses[0] == pytest.approx(mixed.losses[0], rel=2e-2)
+
+
+def test_the_exports_load_the_model_in_bf16() -> None:
+    """axolotl's own ``validate_config`` reads ``bfloat16`` (the model loaded in bf16, no AMP);
+    the companion tells a training script the dtype and the rounding; under DeepSpeed neither
+    (its bf16 section says it)."""
+    from axolotl.utils.config import validate_config
+    from axolotl.utils.dict import DictDefault
+
+    from autotune.export import axolotl_config, companion
+    from tests.conftest import TINY_SETTINGS
+    from tests.test_export_consumers import AXOLOTL_USER
+
+    config = {**STOCHASTIC, "micro_batch_size": 8, "optimizer_in_backward": True}
+    cfg = validate_config(DictDefault({**AXOLOTL_USER, **axolotl_config(config, TINY_SETTINGS)}))
+    assert cfg["bfloat16"] is True and cfg["bf16"] is False
+    side = companion(config, TINY_SETTINGS, None)
+    assert side["model_dtype"] == "bfloat16" and side["bf16_stochastic_round"] is True
+    under_zero = {**PURE, "micro_batch_size": 8, "zero_stage": 1}
+    assert "model_dtype" not in companion(under_zero, TINY_SETTINGS, None)
+    assert axolotl_config(under_zero, TINY_SETTINGS)["bf16"] is True

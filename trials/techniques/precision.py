@@ -156,7 +156,21 @@ class MixedPrecision(Technique):
         return {"mixed_precision": {"fp32": "no"}.get(precision, precision)}
 
     def axolotl(self, config: Config, run: Run) -> dict[str, Any]:
+        if pure_bf16(config) and "zero_stage" not in config:
+            # the model loaded in bf16 and trained without autocast (axolotl's bfloat16)
+            return {"bf16": False, "fp16": False, "bfloat16": True}
         return self.training_arguments(config, run)
+
+    def companion(self, config: Config, run: Run) -> dict[str, Any]:
+        if not pure_bf16(config) or "zero_stage" in config:
+            return {}
+        # pure bf16 outside DeepSpeed: a training script loads the model in bf16 (no autocast)
+        # and, with stochastic rounding, steps torchao's optimizer with bf16_stochastic_round
+        return {
+            "model_dtype": "bfloat16",
+            "autocast": False,
+            "bf16_stochastic_round": stochastic_rounding(config),
+        }
 
 
 TECHNIQUE = MixedPrecision()
