@@ -819,6 +819,7 @@ def clear_caches() -> None:
     _STATE_BYTES.clear()
     _PERSISTENT.clear()
     _LORA.clear()
+    _ADAPTERS.clear()
 
 
 def _lora(st: ModelStats, r: int) -> tuple[int, tuple[Shape, ...], int, int]:
@@ -839,9 +840,31 @@ def _lora(st: ModelStats, r: int) -> tuple[int, tuple[Shape, ...], int, int]:
     return _LORA[key]
 
 
+#: (id of ModelStats, rank, targets, adapter) -> adapter shapes, outputs, optimizer -> state
+#: bytes; see ``_STATE_BYTES``
+_ADAPTERS: dict[tuple[int, int, str, str], tuple[list[Shape], int, dict[str, int]]] = {}
+
+
 def adapter_shapes(st: ModelStats, config: dict[str, Any]) -> tuple[list[Shape], int]:
     """The trainable shapes of the config's LoRA/DoRA adapters (A and B of each adapted layer,
-    DoRA's magnitude vectors) and the adapted layers' summed output width."""
+    DoRA's magnitude vectors) and the adapted layers' summed output width (once per model)."""
+    key = (id(st), rank_of(config), targets_of(config), adapter_of(config))
+    if key not in _ADAPTERS:
+        _ADAPTERS[key] = (*_adapter_shapes(st, config), {})
+    shapes, outputs, _ = _ADAPTERS[key]
+    return shapes, outputs
+
+
+def adapter_state_bytes(st: ModelStats, config: dict[str, Any], opt: str) -> int:
+    """The optimizer's state bytes for the config's adapters (once per model and optimizer)."""
+    shapes, _ = adapter_shapes(st, config)
+    cache = _ADAPTERS[(id(st), rank_of(config), targets_of(config), adapter_of(config))][2]
+    if opt not in cache:
+        cache[opt] = optimizer_state_bytes(opt, shapes)
+    return cache[opt]
+
+
+def _adapter_shapes(st: ModelStats, config: dict[str, Any]) -> tuple[list[Shape], int]:
     r = rank_of(config)
     if targets_of(config) == "all_linear":  # every 2-D weight of the layers, as peft adapts
         adapted = [s for s in st.shapes if len(s) == 2 and numel(s) < st.vocab * st.hidden]
@@ -870,7 +893,7 @@ def _adapted(st: ModelStats, config: dict[str, Any], opt: str, load_copy: int) -
         {
             "parameters": base + 4 * trainable,
             "gradients": 4 * trainable,
-            "optimizer_states": optimizer_state_bytes(opt, shapes),
+            "optimizer_states": adapter_state_bytes(st, config, opt),
         },
         replaces_trace=True,
         host=_host(0, load_copy),

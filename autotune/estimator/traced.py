@@ -632,9 +632,12 @@ class TracedEstimator(Estimator):
             # (``fsdp_held``: shards, gathered parameters, the head's gradient), unless a moment
             # with no activation left (the end of backward's reductions, the step) holds more
             # (in backward before that hook too: the logits' gradients)
+            # (chunked cross-entropy: at the hook only, the head's gradient being ``fsdp_held``'s
+            # beside the slices' logits)
+            chunked = str(config.get("cross_entropy", "full")) == "chunked"
+            prefixes = ("first_hook:",) if chunked else ("bwd:", "first_hook:")
             hook_peak, hook = max(
-                (_net_of_states(parts, prefix) for prefix in ("bwd:", "first_hook:")),
-                key=lambda net: net[0],
+                (_net_of_states(parts, prefix) for prefix in prefixes), key=lambda net: net[0]
             )
             held = fsdp_held(st, config, nproc, "start of backward", accum, cuda=gpu is not None)
             peak = hook_peak + sum(held.values())
