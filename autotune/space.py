@@ -187,8 +187,9 @@ class SearchSpace:
             dims.append(Dimension(d.name, tuple(keep), d.when))
         # a reference value this machine or batch can't run falls back to the first choice
         # (reference_config); it is left out so the stored space reloads
+        dims = _reachable(dims)
         kept = {d.name: d.choices for d in dims}
-        reference = {k: v for k, v in self.reference.items() if v in kept[k]}
+        reference = {k: v for k, v in self.reference.items() if v in kept.get(k, ())}
         rules = _rules_within(self.rules, dims)
         rules += _whole_batch_rules(dims, global_batch_size, self.source)
         return SearchSpace(dims, rules, reference, self.source, dropped)
@@ -211,6 +212,7 @@ class SearchSpace:
         empty = next((d.name for d in dims if not d.choices), None)
         if empty is not None:
             raise UserError(f"search space {self.source}: no choice of '{empty}' is in {allow}")
+        dims = _reachable(dims)
         return SearchSpace(
             dims, _rules_within(self.rules, dims), dict(self.reference), self.source, []
         )
@@ -309,17 +311,31 @@ class SearchSpace:
         return hashlib.sha256(json.dumps(self.as_dict(), sort_keys=True).encode()).hexdigest()[:12]
 
 
+def _reachable(dims: list[Dimension]) -> list[Dimension]:
+    """The dimensions whose ``when`` can still hold once choices were dropped, each condition
+    narrowed to the values left (``lora_rank`` goes with ``adapter``'s lora and dora): a
+    condition on a dimension that is gone, or on none of its remaining values, never holds."""
+    kept: dict[str, tuple[Choice, ...]] = {}
+    out = []
+    for d in dims:
+        when = {k: tuple(v for v in vals if v in kept.get(k, ())) for k, vals in d.when.items()}
+        if all(when.values()):
+            kept[d.name] = d.choices
+            out.append(Dimension(d.name, d.choices, when))
+    return out
+
+
 def _rules_within(rules: list[Rule], dims: list[Dimension]) -> list[Rule]:
     """The rules restated over the choices left after resolving (a resolved space is stored
     and reloaded, so it must not name a dropped choice); a rule left with nothing to match or
-    nothing to forbid goes."""
+    nothing to forbid (or naming a dimension that is gone) goes."""
     kept = {d.name: d.choices for d in dims}
     out = []
     for rule in rules:
         conditions = {
-            k: tuple(v for v in vals if v in kept[k]) for k, vals in rule.conditions.items()
+            k: tuple(v for v in vals if v in kept.get(k, ())) for k, vals in rule.conditions.items()
         }
-        forbidden = tuple(v for v in rule.forbidden if v in kept[rule.target])
+        forbidden = tuple(v for v in rule.forbidden if v in kept.get(rule.target, ()))
         if forbidden and all(conditions.values()):
             out.append(Rule(conditions, rule.target, forbidden))
     return out

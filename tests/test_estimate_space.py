@@ -27,6 +27,12 @@ LEFT_AT_DEFAULTS = {
     "overlap_comm",
     "contiguous_gradients",
     "expandable_segments",
+    # LoRA/DoRA on a 16-bit base: each adapter configuration multiplies the torch engine's
+    # part of the grid by 13 (a 70B space then scores in a minute, not seconds); priced by
+    # both estimators with --config, searched by CPU trials under --allow adapters
+    "adapter",
+    "lora_rank",
+    "lora_targets",
 }
 LLAMA7B = REGISTRY["llama-7b"].config
 

@@ -146,7 +146,8 @@ def test_fsdp2_one_rank_bf16_by_hand() -> None:
     its output (another 4 B: ``foreach_reduce``'s world-size-1 path), larger than the copy-in
     (2 B of the root's gradient beside its 4 B fp32 input). At the step, AdamW's fp32
     temporaries of the whole head (two on a CPU, one with CUDA's foreach path)."""
-    bf16 = {"fsdp": "full_shard", "precision": "bf16"}
+    # chunked cross-entropy: the head's gradient is summed slice by slice beside the logits'
+    bf16 = {"fsdp": "full_shard", "precision": "bf16", "cross_entropy": "chunked"}
     shards, moments, reduced = 4 * PARAMS, 8 * PARAMS, 4 * (PARAMS - ROOT)
     for cuda in (False, True):
         assert _held(bf16, "end of forward", 1, cuda=cuda) == (shards + 2 * ROOT, 0, moments, 0)

@@ -158,10 +158,14 @@ def test_llama7b_on_a_24gb_card_trains_fully_with_zero_offload() -> None:
     )  # fmt: skip
     head = headline(best_per_class(scored))
     assert head is not None
-    assert head.best.config.get("offload_optimizer") == "cpu"
+    # the optimizer states in host memory: ZeRO-Offload or FSDP2's CPU offload
+    best = head.best.config
+    assert best.get("offload_optimizer") == "cpu" or best.get("fsdp_offload") == "cpu", best
     assert head.best.config.get("quantization", "none") == "none"
-    # ... and it needs far more host memory than the card has: ~150-170 GiB
-    assert head.best.estimate.host_bytes > 140 * 2**30
+    # ... and it needs far more host memory than the card has: ~150-170 GiB under ZeRO-Offload
+    # (DeepSpeed's 1.5 buffer factor), ~100 GiB under FSDP2's (16 B/param of fp32 shards,
+    # gradients and AdamW states)
+    assert head.best.estimate.host_bytes > 90 * 2**30
     # with only 64 GB of host RAM, full training of a 7B model does not fit on one 24GB card
     limited = score(
         LLAMA7B, configs, seq_len=2048, global_batch_size=32, nproc=1, gpu=gpu,

@@ -278,7 +278,8 @@ def test_fsdp2_held_by_hand() -> None:
     assert (st.n_params, st.layer_params, psi - 4 * block) == (psi, block, root)
     shards, moments = 4 * psi // 2, 8 * psi // 2
     reduced = 4 * (psi - root) // 2  # every block's reduced fp32 gradient shard
-    bf16 = {"fsdp": "full_shard", "precision": "bf16"}
+    # chunked cross-entropy: the head's gradient is summed slice by slice beside the logits'
+    bf16 = {"fsdp": "full_shard", "precision": "bf16", "cross_entropy": "chunked"}
 
     def held(config: dict, moment: str, n: int = 2, accum: int = 1, cuda: bool = False) -> tuple:
         h = fsdp_held(st, config, n, moment, accum, cuda)
@@ -286,6 +287,9 @@ def test_fsdp2_held_by_hand() -> None:
 
     assert held(bf16, "end of forward") == (shards + 2 * root, 0, moments, 0)
     assert held(bf16, "start of backward") == (shards + 2 * root, 2 * head, moments, 0)
+    # the full loss's logits gradients are gone before the head's backward makes its gradient
+    full = {**bf16, "cross_entropy": "full"}
+    assert held(full, "start of backward") == (shards + 2 * root, 0, moments, 0)
     assert held(bf16, "first layer's backward") == (
         shards + 2 * root + 2 * 2 * block,
         reduced + 2 * head,

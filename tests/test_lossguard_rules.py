@@ -299,6 +299,7 @@ def test_the_probe_trains_the_proxy_as_specified(cache: Path) -> None:
         "master_weights": "fp32",
         "optimizer": "adamw",
         "quantization": "none",
+        "adapter": "none",
         "attention": "sdpa",
         "micro_batch_size": 8,
     }

@@ -70,17 +70,18 @@ def test_grid_respects_conditions_and_rules() -> None:
     # ZeRO settings. fp32: with adamw 1 + 18 + 72 + 48 (stages 0-3), the two other optimizers
     # can't offload the optimizer: 1 + 9 + 36 + 24 each. bf16 adds pure bf16 at stages 1-3
     # where the optimizer is not offloaded: adamw 1 + (9 + 9) + (36 + 36) + (24 + 24) more
-    # FSDP2 instead of ZeRO: 2 precisions x 2 optimizers (AdamW, Lion) x 2 modes x 2 offloads.
-    # The optimizer step in backward adds, without DeepSpeed or FSDP and only at micro-batch 16
-    # (sdpa): 3 optimizers x 2 precisions.
+    # FSDP2 instead of ZeRO: 3 precisions (fp32, bf16, pure bf16) x 2 optimizers (AdamW, Lion)
+    # x 2 modes x 2 offloads. The optimizer step in backward adds, without DeepSpeed or FSDP and
+    # only at micro-batch 16 (sdpa): 3 optimizers x 3 precisions. (No torchao on this CPU: no
+    # stochastic rounding.)
     fp32 = (1 + 18 + 72 + 48) + 2 * (1 + 9 + 36 + 24)
     bf16 = fp32 + 3 * (9 + 36 + 24)
-    fsdp = 2 * 2 * 2 * 2
-    in_backward = 1 * 3 * 2
+    fsdp = 3 * 2 * 2 * 2
+    in_backward = 1 * 3 * 3
     # torch.compile runs under the torch engine (no ZeRO or FSDP2), without activation
-    # offloading: 7 checkpointings x 2 cross-entropies x (9 micro-batch/attention x 2
+    # offloading: 7 checkpointings x 2 cross-entropies x (9 micro-batch/attention x 3
     # precisions x 3 optimizers, and the step in backward)
-    compiled = (1 + 3 + 3) * 2 * ((5 + 4) * 2 * 3 + in_backward)
+    compiled = (1 + 3 + 3) * 2 * ((5 + 4) * 3 * 3 + in_backward)
     # checkpointing: off, full (3 ops saved x activation offload or not), every 2nd (3 ops saved)
     assert (
         len(grid) == (1 + 3 * 2 + 3) * 2 * ((5 + 4) * (fp32 + bf16 + fsdp) + in_backward) + compiled
@@ -133,6 +134,7 @@ def test_params_for_round_trips_through_enqueue() -> None:
         "optimizer": "lion",
         "micro_batch_size": 4,
         "quantization": "none",
+        "adapter": "none",
         "optimizer_in_backward": False,
         "compile": False,
         "fsdp": "off",
@@ -162,6 +164,7 @@ def test_reference_is_exact_and_minimal() -> None:
         "optimizer": "adamw",
         "micro_batch_size": 1,
         "quantization": "none",
+        "adapter": "none",
         "optimizer_in_backward": False,
         "compile": False,
         "fsdp": "off",

@@ -310,3 +310,31 @@ def test_an_fsdp_winner_is_exported_for_accelerate_not_deepspeed(tmp_path: Path)
     written = yaml.safe_load(export("accelerate", fsdp, settings, tmp_path / "a.yaml").read_text())
     assert written["distributed_type"] == "FSDP"
     assert written["fsdp_config"]["fsdp_offload_params"] is True
+
+
+#: two-rank trials of ``test_two_ranks_train_as_ddp_with_less_memory_and_as_predicted`` and
+#: ``test_offloaded_shards_are_host_memory`` (measured peaks per rank, B) and the traced
+#: estimator's agreement reached on them
+TWO_RANKS_MEASURED = [
+    ({"fsdp": "full_shard"}, 100_819_116, 0.001),
+    ({"fsdp": "shard_grad_op"}, 100_858_032, 0.001),
+    ({"fsdp": "full_shard", "fsdp_offload": "cpu"}, 47_213_076, 0.07),
+    ({"fsdp": "full_shard", "precision": "bf16"}, 96_624_812, 0.05),
+]
+
+
+@pytest.mark.parametrize(("extra", "measured", "agreement"), TWO_RANKS_MEASURED)
+def test_the_traced_estimate_holds_what_a_rank_holds(
+    extra: dict, measured: int, agreement: float
+) -> None:
+    """The traced estimator under FSDP2: the trace's activations at the start of backward
+    beside what a rank holds then, or a moment without activations; with the shards offloaded
+    it counts what the device gathers (it counted nothing: 0 B against the replica's 375 MiB)."""
+    from autotune.estimator.traced import TracedEstimator
+
+    config = {**BASE, **extra, "attention": "sdpa", "optimizer": "adamw"}
+    config.setdefault("precision", "fp32")
+    traced = TracedEstimator(use_cache=False).estimate(
+        TINY, config, seq_len=64, global_batch_size=4, nproc=2
+    )
+    assert traced.peak_bytes == pytest.approx(measured, rel=agreement)

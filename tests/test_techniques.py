@@ -114,6 +114,9 @@ def test_built_in_tables_are_the_ones_the_modules_replaced() -> None:
         "offload_optimizer",
         "offload_param",
         "quantization",
+        "adapter",
+        "lora_rank",
+        "lora_targets",
         "reduce_bucket_size",
         "allgather_bucket_size",
         "overlap_comm",
@@ -139,6 +142,7 @@ def test_built_in_tables_are_the_ones_the_modules_replaced() -> None:
         "offload_optimizer": "none",
         "offload_param": "none",
         "quantization": "none",
+        "adapter": "none",
     }
     assert set(REGISTRY.memory_orders()) == {
         "micro_batch_size",
@@ -150,6 +154,8 @@ def test_built_in_tables_are_the_ones_the_modules_replaced() -> None:
         "fsdp_offload",
         "offload_optimizer",
         "offload_param",
+        "lora_rank",
+        "lora_targets",
         "reduce_bucket_size",
         "allgather_bucket_size",
         "overlap_comm",
@@ -159,9 +165,10 @@ def test_built_in_tables_are_the_ones_the_modules_replaced() -> None:
         "master_weights",
         "optimizer",
         "quantization",
+        "adapter",
     )
     families = [t.family for t in REGISTRY]
-    assert len(families) == len(set(families)) == 16
+    assert len(families) == len(set(families)) == 17
 
 
 def test_a_dimension_belongs_to_one_technique(toy: ToyPad) -> None:

@@ -25,9 +25,9 @@ from trials.techniques import OPTIMIZERS, PRECISIONS, Run
 from trials.techniques.fsdp import offloads_shards, runs_fsdp, shard
 from trials.techniques.micro_batch import micro_and_accumulation
 from trials.techniques.offload import offloads_optimizer, offloads_params
-from trials.techniques.optimizer import DS_OPTIMIZERS
+from trials.techniques.optimizer import DS_OPTIMIZERS, optimizer_factory
 from trials.techniques.optimizer_in_backward import InBackward, steps_in_backward
-from trials.techniques.precision import weight_dtype
+from trials.techniques.precision import model_dtype, pure_bf16, weight_dtype
 from trials.techniques.zero import runs_deepspeed
 from trials.zero import (
     deepspeed_config,
@@ -74,9 +74,15 @@ class Engine(ABC):
 
     @classmethod
     def build(cls, spec: TrialSpec, device: torch.device, monitor: MemoryMonitor) -> nn.Module:
-        """fp32 weights on the device: autocast trains over fp32 master weights."""
+        """fp32 weights on the device: autocast trains over fp32 master weights; bf16 in pure
+        bf16 (no master copy, no autocast)."""
         with device:
-            return build_model(spec.model_config, spec.config.get("attention", "sdpa"), spec.seed)
+            return build_model(
+                spec.model_config,
+                spec.config.get("attention", "sdpa"),
+                spec.seed,
+                dtype=model_dtype(spec.config),
+            )
 
     def __init__(
         self, model: nn.Module, spec: TrialSpec, device: torch.device, monitor: MemoryMonitor
@@ -106,9 +112,11 @@ class TorchEngine(Engine):
         in_backward = steps_in_backward(cfg)
         self.model = self.wrap(model, in_backward)
         trainable = [p for p in model.parameters() if p.requires_grad]
-        factory = OPTIMIZERS[cfg.get("optimizer", "adamw")].factory
+        factory = optimizer_factory(cfg)
         precision = PRECISIONS[cfg.get("precision", "fp32")]
-        self.autocast_dtype = None if self.sharded else precision.autocast_dtype
+        # pure bf16: the model itself is bf16, nothing to autocast
+        plain = self.sharded or pure_bf16(cfg)
+        self.autocast_dtype = None if plain else precision.autocast_dtype
         self.scaler = torch.amp.GradScaler(device.type) if precision.loss_scaling else None
         self.optimizer: torch.optim.Optimizer | None = None
         self.in_backward: InBackward | None = None
@@ -217,7 +225,12 @@ class FsdpEngine(TorchEngine):
     @classmethod
     def build(cls, spec: TrialSpec, device: torch.device, monitor: MemoryMonitor) -> nn.Module:
         with monitor.host_allocations(), torch.device("cpu"):
-            return build_model(spec.model_config, spec.config.get("attention", "sdpa"), spec.seed)
+            return build_model(
+                spec.model_config,
+                spec.config.get("attention", "sdpa"),
+                spec.seed,
+                dtype=model_dtype(spec.config),
+            )
 
     def wrap(self, model: nn.Module, in_backward: bool) -> nn.Module:
         if in_backward or self.spec.config.get("precision") == "fp16":

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from autotune.estimator.states import deepspeed_states
+from autotune.estimator.states import adapter_shapes, model_in_16_bits
 from autotune.models import ModelStats
 from trials.techniques.checkpointing import saved_ops
 from trials.techniques.compile import compiles
@@ -27,8 +27,9 @@ def layer_activation_bytes(
     saved = (4 if st.gated_mlp else 2) + ACT_EXTRA_SAVED.get(st.hidden_act, 0)
     mlp_w = saved * st.intermediate * max(1, st.top_k)
     half = config.get("precision", "fp32") in ("bf16", "fp16")
-    pure16 = half and deepspeed_states(config)
-    if pure16:  # DeepSpeed runs the model in 16 bits: only the norms upcast (fitted to traces)
+    pure16 = model_in_16_bits(config)
+    # DeepSpeed (and pure bf16) run the model in 16 bits: only the norms upcast (fitted to traces)
+    if pure16:
         per_token = 15 * h + 2 * (3 * q + 2 * kvw) + 2 * mlp_w
     elif half:
         per_token = 24 * h + 4 * h + 2 * (3 * q + 2 * kvw) + 2 * mlp_w
@@ -104,7 +105,7 @@ def compiled_saving(st: ModelStats, config: dict[str, Any]) -> int:
         and not st.qk_norm
         and not st.shared_norm_input
     )
-    if not compiles(config) or not llama or deepspeed_states(config):
+    if not compiles(config) or not llama or model_in_16_bits(config):
         return 0
     h, i = st.hidden, st.intermediate
     autocast = config.get("precision", "fp32") in ("bf16", "fp16")
@@ -122,7 +123,7 @@ def _fp32_experts(config: dict[str, Any]) -> bool:
     """Under autocast over fp32 weights an MoE layer's experts compute in fp32: their grouped
     matmul (``aten._grouped_mm``, transformers 5) has no autocast rule on CPU or CUDA. DeepSpeed's
     model and a quantized model's base are 16-bit."""
-    autocast = config.get("precision", "fp32") in ("bf16", "fp16") and not deepspeed_states(config)
+    autocast = config.get("precision", "fp32") in ("bf16", "fp16") and not model_in_16_bits(config)
     return autocast and str(config.get("quantization", "none") or "none") == "none"
 
 
@@ -159,3 +160,35 @@ def saved_op_bytes(st: ModelStats, config: dict[str, Any], seq_len: int, micro: 
         if st.experts and _fp32_experts(config):
             per_token += 2 * mlp
     return per_token * seq_len * micro
+
+
+#: DoRA's bytes per adapted output feature per token kept for backward beyond LoRA's, under
+#: a 16-bit base: peft's ``DoraLinearLayer.forward`` keeps the base layer's output and the
+#: adapter's (16-bit, 2 + 2) to scale them by the magnitude over the weight's norm; that fp32
+#: scale promotes the layer's output to fp32, which the ops after it keep (measured: 6.49 B on
+#: tiny-llama, every linear adapted, bf16); under fp32, the two outputs (4 + 4)
+DORA_BYTES = {True: 6.5, False: 8.0}
+
+
+def adapter_activation_bytes(st: ModelStats, config: dict[str, Any], tokens: int) -> int:
+    """How much more (or less) LoRA/DoRA adapters keep for backward than full training of the
+    model's layers, over every layer: each adapter's rank-wide A output (B's input, in the
+    compute dtype) and, for DoRA, ``DORA_BYTES`` per adapted output feature; less what frozen
+    weights' gradients would have needed: with attention-only adapters the MLP's output
+    projection's input (its weight frozen, nothing reads it in backward), and in fp32 each
+    norm's normalised input (its frozen scale needs no gradient; in 16 bits the fitted norm
+    terms stand)."""
+    from trials.techniques.adapter import adapter_of, rank_of, targets_of
+
+    shapes, outputs = adapter_shapes(st, config)
+    half = config.get("precision", "fp32") in ("bf16", "fp16")
+    width = 2 if half else 4
+    adapted = sum(1 for s in shapes if len(s) == 2) // 2
+    total = adapted * rank_of(config) * width * tokens
+    if adapter_of(config) == "dora":
+        total += int(DORA_BYTES[half] * outputs * tokens)
+    if targets_of(config) == "attention":
+        total -= st.layers * width * st.intermediate * max(1, st.top_k) * tokens
+    if not half:
+        total -= st.layers * st.norms * 4 * st.hidden * tokens
+    return total

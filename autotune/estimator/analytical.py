@@ -32,6 +32,7 @@ from typing import Any
 
 from autotune.estimator.activations import (
     NORM_BYTES,
+    adapter_activation_bytes,
     dropout_mask_bytes,
     layer_activation_bytes,
     saved_op_bytes,
@@ -40,19 +41,23 @@ from autotune.estimator.base import PARTS, Estimate, Estimator
 from autotune.estimator.gpus import GpuSpec
 from autotune.estimator.speed import roofline
 from autotune.estimator.states import (
+    adapter_shapes,
     deepspeed_states,
     estimator_states,
     fsdp_held,
     host_with_activations,
+    numel,
+    pure_outside_deepspeed,
     zero_states_at,
 )
 from autotune.models import stats_of
 from trials.data import Documents, micro_shapes
-from trials.techniques import OPTIMIZERS
 from trials.techniques.activation_offload import offloads_activations
+from trials.techniques.adapter import adapted_16bit, adapts
 from trials.techniques.cross_entropy import loss_tokens
 from trials.techniques.fsdp import runs_fsdp
 from trials.techniques.micro_batch import micro_and_accumulation
+from trials.techniques.optimizer import step_choice
 from trials.techniques.optimizer_in_backward import steps_in_backward
 from trials.techniques.packing import packs
 
@@ -81,9 +86,12 @@ class AnalyticalEstimator(Estimator):
         half = config.get("precision", "fp32") in ("bf16", "fp16")
         deepspeed = deepspeed_states(config)
         fsdp = runs_fsdp(config)
-        # the model itself in 16 bits (DeepSpeed's engine; FSDP2's mixed-precision policy): no
-        # autocast copies of the weights, a 16-bit residual stream and logits
-        model16 = deepspeed or fsdp
+        # the model itself in 16 bits (DeepSpeed's engine; FSDP2's mixed-precision policy; pure
+        # bf16, built in bf16): no autocast copies of the weights, a 16-bit residual stream and
+        # logits
+        pure = pure_outside_deepspeed(config)
+        adapted = adapts(config)  # LoRA/DoRA: the base frozen (16-bit under bf16/fp16)
+        model16 = deepspeed or fsdp or pure or adapted_16bit(config)
         states = estimator_states(model_config, config, nproc, global_batch_size, gpu)
         params = states.parts["parameters"]
         grads = states.parts["gradients"]
@@ -96,10 +104,12 @@ class AnalyticalEstimator(Estimator):
         # frozen quantized weights are dequantized per use, not kept as 16-bit copies
         cached_params = head_params + (0 if quantized else linear_params)
         weight_cache = 2 * cached_params if half and not model16 else 0
-        layer_weight_cache = 2 * layer_linear if half and not quantized else 0
+        layer_weight_cache = 2 * layer_linear if half and not quantized and not adapted else 0
 
         cuda = gpu is not None
         per_layer = layer_activation_bytes(st, config, length, micro, cuda)
+        if adapted:
+            per_layer += adapter_activation_bytes(st, config, tokens) // layers
         stream_width = 2 if model16 and half else 4  # the residual stream's dtype
         stream = stream_width * h * tokens  # a layer's input
         ckpt = str(config.get("gradient_checkpointing", "off"))
@@ -128,7 +138,8 @@ class AnalyticalEstimator(Estimator):
             # head-sized gradients, of the 16-bit weight copy under autocast); and the hidden
             # states' gradient filled slice by slice
             grad_bytes = 2 if half else 4
-            bwd_logits += 2 * grad_bytes * head_params + 4 * h * tokens
+            head_grads = 0 if adapted else 2 * grad_bytes * head_params  # a frozen head: none
+            bwd_logits += head_grads + 4 * h * tokens
         if (
             documents is not None
             and packs(config)
@@ -156,8 +167,12 @@ class AnalyticalEstimator(Estimator):
             bwd_layers = stream + recompute
         grads_before = grads if accum > 1 else 0
         largest = st.largest_param
-        choice = OPTIMIZERS[str(config.get("optimizer", "adamw"))]
-        step_temps = choice.step_temporaries(largest, cuda) if not deepspeed else 0
+        if adapted:  # the largest trainable tensor: an adapter's
+            largest = max(numel(s) for s in adapter_shapes(st, config)[0])
+        step_temps = (
+            step_choice(config).step_temporaries(largest, cuda, pure) if not deepspeed else 0
+        )
+        gbytes = 2 if pure else 4  # a gradient's bytes per value (the parameter's dtype)
 
         moments = {
             "end of forward": (grads_before, acts + cache_in_fwd, fwd_logits, 0),
@@ -182,10 +197,14 @@ class AnalyticalEstimator(Estimator):
             # moment holds every gradient. The output layer's (the largest) is stepped first,
             # once the logits' gradients are gone and every kept activation still is; in the
             # first layer's backward one MLP matrix's at most; the embedding's after the layers
-            one_grad = min(grads, 4 * largest)
-            matrix = min(one_grad, 4 * h * st.intermediate)
+            one_grad = min(grads, gbytes * largest)
+            matrix = min(one_grad, gbytes * h * st.intermediate)
             del moments["optimizer step"], moments["end of backward"]
-            moments["output layer's step"] = (one_grad, acts + cache_in_bwd, 0, step_temps)
+            # the head's 16-bit weight copy (autocast's, saved for its input's gradient) is
+            # freed with the head's backward, before its step
+            head_cache = 2 * head_params * (layers - n_ckpt) // layers if weight_cache else 0
+            head_acts_cache = acts + max(0, cache_in_bwd - head_cache)
+            moments["output layer's step"] = (one_grad, head_acts_cache, 0, step_temps)
             moments["first layer's backward"] = (matrix, bwd_layers, 0, 2 * matrix)
             moments["end of backward"] = (one_grad, 0, 0, step_temps)
         if fsdp:

@@ -42,6 +42,7 @@ from typing import Any
 from autotune.estimator.gpus import GpuSpec
 from autotune.models import ModelStats, stats_of
 from trials.techniques import OPTIMIZERS
+from trials.techniques.adapter import adapted_16bit, adapter_of, adapts, rank_of, targets_of
 from trials.techniques.fsdp import RESHARD, fsdp_mode, offloads_shards, runs_fsdp
 from trials.techniques.micro_batch import micro_and_accumulation
 from trials.techniques.optimizer_in_backward import steps_in_backward
@@ -96,18 +97,38 @@ def param_shapes(cfg: dict[str, Any]) -> list[Shape]:
 _STATE_BYTES: dict[tuple[int, str], int] = {}
 
 
-def model_optimizer_bytes(st: ModelStats, name: str) -> int:
+def model_optimizer_bytes(st: ModelStats, name: str, pure: bool = False) -> int:
     """``optimizer_state_bytes`` over every parameter of the model, computed once per model."""
-    key = (id(st), name)
+    key = (id(st), f"{name}:pure" if pure else name)
     if key not in _STATE_BYTES:
-        _STATE_BYTES[key] = optimizer_state_bytes(name, st.shapes)
+        _STATE_BYTES[key] = optimizer_state_bytes(name, st.shapes, pure)
     return _STATE_BYTES[key]
 
 
-def optimizer_state_bytes(name: str, shapes: list[Shape] | tuple[Shape, ...]) -> int:
-    """State bytes of the optimizer for these parameters (step counters ignored): its module's
-    term (``trials.techniques.optimizer``, ``OptimizerChoice.state_bytes``)."""
-    return OPTIMIZERS[name].state_bytes(shapes)
+def optimizer_state_bytes(
+    name: str, shapes: list[Shape] | tuple[Shape, ...], pure: bool = False
+) -> int:
+    """State bytes of the optimizer for these parameters (step counters ignored; ``pure``: bf16
+    parameters, pure bf16): its module's term (``trials.techniques.optimizer``,
+    ``OptimizerChoice.states_of``)."""
+    return OPTIMIZERS[name].states_of(shapes, pure)
+
+
+def model_in_16_bits(config: dict[str, Any]) -> bool:
+    """Whether the model itself is 16-bit (no autocast over fp32 weights): DeepSpeed's engine in
+    bf16/fp16, FSDP2 in bf16, pure bf16 on any engine, or a frozen 16-bit base under
+    adapters."""
+    half = str(config.get("precision", "fp32")) in ("bf16", "fp16")
+    sixteen = deepspeed_states(config) or pure_bf16(config) or adapted_16bit(config)
+    # FSDP2's mixed-precision policy computes on 16-bit copies of the shards and casts the
+    # root's inputs: the model runs in 16 bits
+    return half and (sixteen or runs_fsdp(config))
+
+
+def pure_outside_deepspeed(config: dict[str, Any]) -> bool:
+    """Pure bf16 on the torch engine or FSDP2: the model built in bf16, its gradients and the
+    optimizer's states made like it (DeepSpeed's pure bf16 is its own accounting)."""
+    return pure_bf16(config) and not deepspeed_states(config)
 
 
 def deepspeed_states(config: dict[str, Any]) -> bool:
@@ -301,21 +322,31 @@ def model_states(
 
     if quant != "none":
         return _quantized(st, config, quant, opt, precision, load_copy)
+    if adapts(config):
+        return _adapted(st, config, opt, load_copy)
 
-    states = model_optimizer_bytes(st, opt)
+    if pure_outside_deepspeed(config):
+        # the model built in bf16 (the load copy too), its gradients and states like it
+        load_copy //= 2
+        states = model_optimizer_bytes(st, opt, pure=True)
+    else:
+        states = model_optimizer_bytes(st, opt)
     if runs_fsdp(config):
         return _fsdp_states(st, config, n, per_host, states, load_copy)
     if stage == 0 and runs_deepspeed(config):
         return _deepspeed_without_zero(st, config, opt, states, load_copy, cuda)
     if stage == 0:
-        grads = 4 * psi
+        wbytes = 2 if pure_outside_deepspeed(config) else 4
+        grads = wbytes * psi
         if n > 1 and not runs_deepspeed(config) and not steps_in_backward(config):
             # DistributedDataParallel: its flat buckets, a second copy of every gradient (the
             # reducer's, torch's default gradient_as_bucket_view=False), from the first backward on
-            grads += 4 * psi
+            grads += wbytes * psi
+        notes = ["pure bf16: bf16 weights, gradients and optimizer states"] if wbytes == 2 else []
         return ModelStates(
-            {"parameters": 4 * psi, "gradients": grads, "optimizer_states": states},
+            {"parameters": wbytes * psi, "gradients": grads, "optimizer_states": states},
             host=_host(0, load_copy),
+            notes=notes,
         )
 
     half = precision in ("bf16", "fp16")
@@ -654,15 +685,19 @@ def _phases3(
 def _fsdp_states(
     st: ModelStats, config: dict[str, Any], n: int, per_host: int, states: int, load_copy: int
 ) -> ModelStates:
-    """FSDP2: fp32 shards of the parameters, their gradients and the optimizer's states, 1/N of
-    each per rank (``fsdp_held`` has what a rank holds besides, moment by moment)."""
+    """FSDP2: fp32 shards of the parameters (bf16 in pure bf16), their gradients and the
+    optimizer's states, 1/N of each per rank (``fsdp_held`` has what a rank holds besides,
+    moment by moment)."""
     psi = st.n_params
+    mbytes = 2 if pure_bf16(config) else 4
     sharded = {
-        "parameters": 4 * psi // n,
-        "gradients": 4 * psi // n,
+        "parameters": mbytes * psi // n,
+        "gradients": mbytes * psi // n,
         "optimizer_states": states // n,
     }
     notes = [f"model states: FSDP2 {fsdp_mode(config)} over {n} GPU(s) by formula"]
+    if mbytes == 2:
+        notes.append("pure bf16: bf16 shards, gradients and optimizer states")
     offloaded = 0
     if offloads_shards(config):
         offloaded = sum(sharded.values()) * per_host
@@ -681,47 +716,51 @@ def fsdp_held(
     root's parameters (embeddings, head, final norm) gathered from the root's forward to the
     end of backward; a block's gathered for its forward and backward (with the next one
     prefetched), or, under ``shard_grad_op``, every block's from its forward to its backward;
-    a gathered gradient in the parameters' dtype and its copy in fp32 for the reduce-scatter;
-    the root's reduced at the very end of backward. Offloaded: shards, gradients and states on
-    the host, the step there too."""
+    a gathered gradient in the parameters' dtype and its copy in the reduce dtype (fp32 in mixed
+    precision, bf16 in pure bf16) for the reduce-scatter; the root's reduced at the very end of
+    backward. Offloaded: shards, gradients and states on the host, the step there too."""
     psi = st.n_params
+    pure = pure_bf16(config)
     w = 2 if str(config.get("precision", "fp32")) in ("bf16", "fp16") else 4
+    m = 2 if pure else 4  # the shards' (and their gradients') bytes, the reduce dtype's
     block = st.layer_params
     root = psi - st.layers * block
     offloaded = offloads_shards(config)
-    shards = 0 if offloaded else 4 * psi // n
-    optim = (
-        0 if offloaded else model_optimizer_bytes(st, str(config.get("optimizer", "adamw"))) // n
-    )
-    grads_kept = 0 if offloaded or accum == 1 else 4 * psi // n  # reduced each micro-batch
-    reduced = 0 if offloaded else 4 * (psi - root) // n  # every block's reduced gradient shard
+    shards = 0 if offloaded else m * psi // n
+    opt = str(config.get("optimizer", "adamw"))
+    optim = 0 if offloaded else model_optimizer_bytes(st, opt, pure) // n
+    grads_kept = 0 if offloaded or accum == 1 else m * psi // n  # reduced each micro-batch
+    reduced = 0 if offloaded else m * (psi - root) // n  # every block's reduced gradient shard
     # full_shard: each block resharded after its forward, none gathered at the end of forward
     # or the start of backward; shard_grad_op: every block gathered until its backward
     blocks_fwd = 0 if RESHARD[fsdp_mode(config)] else st.layers * w * block
-    # the reduce-scatter's fp32 input made from the gathered gradients; on a CPU the collective
-    # of 16-bit gradients adds an fp32 copy (measured on gloo); one rank has no collective
-    # (``foreach_reduce`` copies the input to the output)
-    cast = 4 if w != 4 and not cuda and n > 1 else 0
+    # the reduce-scatter's input made from the gathered gradients; on a CPU the collective
+    # of 16-bit gradients cast to fp32 adds an fp32 copy (measured on gloo); one rank has no
+    # collective (``foreach_reduce`` copies the input to the output)
+    cast = 4 if w != m and not cuda and n > 1 else 0
     gathered = w * root
-    if n == 1 and w == 4 and not offloaded:
+    if n == 1 and w == m and not offloaded:
         # one rank, no cast, shards on the device: the "gathered" parameters are the shards
         # themselves (``FSDPParamGroup.wait_for_unshard``'s world-size-1 path)
         gathered = blocks_fwd = 0
     held = {"parameters": shards, "gradients": 0, "optimizer_states": optim, "temporaries": 0}
     if moment == "optimizer step":
-        held["gradients"] = 0 if offloaded else 4 * psi // n
+        held["gradients"] = 0 if offloaded else m * psi // n
         biggest = (st.largest_param + n - 1) // n
-        held["temporaries"] = 0 if offloaded else adam_step_temporaries(biggest, cuda)
+        held["temporaries"] = 0 if offloaded else adam_step_temporaries(biggest, cuda, m)
     elif moment in ("end of forward", "start of backward"):
         held["parameters"] += gathered + blocks_fwd
-        head = w * st.vocab * st.hidden if moment == "start of backward" else 0
+        # the head's gradient: beside the logits' only under chunked cross-entropy (summed
+        # slice by slice); the full loss's logits gradients are gone before the head's backward
+        chunked = str(config.get("cross_entropy", "full")) == "chunked"
+        head = w * st.vocab * st.hidden if moment == "start of backward" and chunked else 0
         held["gradients"] = grads_kept + head
     elif moment == "first layer's backward":
         # the root's gathered parameters and its gradients so far (the head's), every block's
         # reduced gradient shard, the first block's gathered (and the embedding prefetched)
         held["parameters"] += gathered + (2 * w * block if gathered else 0)
         held["gradients"] = max(grads_kept, reduced) + w * st.vocab * st.hidden
-        held["temporaries"] = (w + 4 + cast) * block  # its gathered gradient, the fp32 copy
+        held["temporaries"] = (w + m + cast) * block  # its gathered gradient, the reduce's copy
     else:  # end of backward: the root's gradients reduced, its parameters resharded first
         # (``FSDPParamGroup.post_backward`` reshards before ``foreach_reduce``); several CPU
         # ranks keep that much again in gloo's reduce-scatter buffers (two gloo processes hold
@@ -729,11 +768,11 @@ def fsdp_held(
         if n > 1 and not cuda:
             held["parameters"] += gathered
         held["gradients"] = max(grads_kept, reduced)
-        # the copy-in (the root's gradients and the reduce's fp32 input), then the input and
-        # the reduced output; offloaded on a CPU, that output is the host gradient itself
+        # the copy-in (the root's gradients and the reduce's input), then the input and the
+        # reduced output; offloaded on a CPU, that output is the host gradient itself
         # (``.to("cpu")`` of a CPU tensor is no copy)
-        output = 0 if offloaded and not cuda else 4 * root // n
-        held["temporaries"] = max((w + 4 + cast) * root, 4 * root + output)
+        output = 0 if offloaded and not cuda else m * root // n
+        held["temporaries"] = max((w + m + cast) * root, m * root + output)
     return held
 
 
@@ -780,6 +819,7 @@ def clear_caches() -> None:
     _STATE_BYTES.clear()
     _PERSISTENT.clear()
     _LORA.clear()
+    _ADAPTERS.clear()
 
 
 def _lora(st: ModelStats, r: int) -> tuple[int, tuple[Shape, ...], int, int]:
@@ -798,6 +838,70 @@ def _lora(st: ModelStats, r: int) -> tuple[int, tuple[Shape, ...], int, int]:
             lora_shapes += [(r, in_f), (out_f, r)]
         _LORA[key] = (quantized, tuple(lora_shapes), sum(numel(s) for s in lora_shapes), rows)
     return _LORA[key]
+
+
+#: (id of ModelStats, rank, targets, adapter) -> adapter shapes, outputs, optimizer -> state
+#: bytes; see ``_STATE_BYTES``
+_ADAPTERS: dict[tuple[int, int, str, str], tuple[list[Shape], int, dict[str, int]]] = {}
+
+
+def adapter_shapes(st: ModelStats, config: dict[str, Any]) -> tuple[list[Shape], int]:
+    """The trainable shapes of the config's LoRA/DoRA adapters (A and B of each adapted layer,
+    DoRA's magnitude vectors) and the adapted layers' summed output width (once per model)."""
+    key = (id(st), rank_of(config), targets_of(config), adapter_of(config))
+    if key not in _ADAPTERS:
+        _ADAPTERS[key] = (*_adapter_shapes(st, config), {})
+    shapes, outputs, _ = _ADAPTERS[key]
+    return shapes, outputs
+
+
+def adapter_state_bytes(st: ModelStats, config: dict[str, Any], opt: str) -> int:
+    """The optimizer's state bytes for the config's adapters (once per model and optimizer)."""
+    shapes, _ = adapter_shapes(st, config)
+    cache = _ADAPTERS[(id(st), rank_of(config), targets_of(config), adapter_of(config))][2]
+    if opt not in cache:
+        cache[opt] = optimizer_state_bytes(opt, shapes)
+    return cache[opt]
+
+
+def _adapter_shapes(st: ModelStats, config: dict[str, Any]) -> tuple[list[Shape], int]:
+    r = rank_of(config)
+    if targets_of(config) == "all_linear":  # every 2-D weight of the layers, as peft adapts
+        adapted = [s for s in st.shapes if len(s) == 2 and numel(s) < st.vocab * st.hidden]
+    else:  # the attention's q, k, v and output projections
+        q, kv = st.heads * st.head_dim, st.kv_heads * st.head_dim
+        adapted = [(q, st.hidden), (kv, st.hidden), (kv, st.hidden), (st.hidden, q)]
+        adapted *= st.layers
+    shapes: list[Shape] = []
+    for out_f, in_f in adapted:
+        shapes += [(r, in_f), (out_f, r)]
+    outputs = sum(int(s[0]) for s in adapted)
+    if adapter_of(config) == "dora":
+        shapes += [(int(s[0]),) for s in adapted]
+    return shapes, outputs
+
+
+def _adapted(st: ModelStats, config: dict[str, Any], opt: str, load_copy: int) -> ModelStates:
+    """LoRA/DoRA on a frozen base (``trials.techniques.adapter``): the base in 16 bits under
+    bf16/fp16 (fp32 otherwise), the adapters, their gradients and the optimizer's states in
+    fp32."""
+    shapes, _ = adapter_shapes(st, config)
+    trainable = sum(numel(s) for s in shapes)
+    base = (2 if adapted_16bit(config) else 4) * st.n_params
+    r = rank_of(config)
+    return ModelStates(
+        {
+            "parameters": base + 4 * trainable,
+            "gradients": 4 * trainable,
+            "optimizer_states": adapter_state_bytes(st, config, opt),
+        },
+        replaces_trace=True,
+        host=_host(0, load_copy),
+        notes=[
+            f"{adapter_of(config)} r={r} on {targets_of(config)} over a frozen base "
+            f"({trainable / 1e6:.2f}M trainable) by formula"
+        ],
+    )
 
 
 def _quantized(

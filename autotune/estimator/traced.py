@@ -30,12 +30,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from autotune.estimator.activations import adapter_activation_bytes
 from autotune.estimator.base import PARTS, Estimate, Estimator
 from autotune.estimator.gpus import GpuSpec
 from autotune.estimator.speed import roofline
 from autotune.estimator.states import (
     deepspeed_states,
     estimator_states,
+    fsdp_held,
     host_with_activations,
     zero_states_at,
 )
@@ -43,16 +45,19 @@ from autotune.models import stats_of
 from trials.data import Documents, Shape, micro_shapes
 from trials.memory import host_scope
 from trials.techniques import OPTIMIZERS, PRECISIONS, REGISTRY
+from trials.techniques.adapter import adapted_16bit, adapts
 from trials.techniques.compile import compiles
+from trials.techniques.fsdp import runs_fsdp
 from trials.techniques.micro_batch import micro_and_accumulation
-from trials.techniques.optimizer import TORCHAO_BLOCK, torchao_quantizes
+from trials.techniques.optimizer import STOCHASTIC_ADAMW, TORCHAO_BLOCK, torchao_quantizes
 from trials.techniques.optimizer_in_backward import InBackward, steps_in_backward
 from trials.techniques.packing import packs
+from trials.techniques.precision import pure_bf16, stochastic_rounding
 
 #: the tag of storages made in host memory (offloaded activations): not on the traced device
 HOST = "host"
 
-CACHE_VERSION = 7
+CACHE_VERSION = 10
 #: kernels that can't be built here, traced as one that keeps the same tensors for backward
 #: (flash-attn and sdpa's flash kernel both keep q, k, v, the output and the log-sum-exp)
 TRACED_ATTENTION = {"flash_attention_2": "sdpa"}
@@ -89,6 +94,10 @@ class PhaseTracker(TorchDispatchMode):
         # the gradient firing it is held with
         self.first_hook_peak = 0
         self.at_first_hook: dict[str, int] = {}
+        # inside backward before its first gradient hook (the logits' gradients, every
+        # activation): the largest such moment and the per-tag totals at it
+        self.backward_peak = 0
+        self.at_backward_peak: dict[str, int] = {}
 
     def gradient_hook(self) -> None:
         """A gradient is complete; the first of a backward pass starts its hooked span."""
@@ -148,6 +157,9 @@ class PhaseTracker(TorchDispatchMode):
             self.at_peak = dict(self.live)
         if self.hooked:
             self._note_hook_peak()
+        elif self.phase == "temporaries" and self.total > self.backward_peak:
+            self.backward_peak = self.total
+            self.at_backward_peak = dict(self.live)
         weakref.finalize(storage, self._release, key)
 
     def retag(self, t: torch.Tensor, tag: str) -> None:
@@ -207,7 +219,8 @@ def _low_bit_states(bits: int) -> Any:
     def allocate(optimizer: torch.optim.Optimizer, cuda: bool) -> None:
         for group in optimizer.param_groups:
             for p in group["params"]:
-                temporaries = torch.empty(choice.step_temporaries(p.numel(), cuda) // 4)
+                pure = p.dtype == torch.bfloat16  # pure bf16's weights
+                temporaries = torch.empty(choice.step_temporaries(p.numel(), cuda, pure) // 4)
                 del temporaries
                 state = optimizer.state[p]
                 if state:
@@ -224,8 +237,22 @@ def _low_bit_states(bits: int) -> Any:
     return allocate
 
 
+def _stochastic_adamw_states(optimizer: torch.optim.Optimizer, cuda: bool) -> None:
+    """torchao's AdamW with bf16 stochastic rounding (a compiled step fake tensors can't run):
+    two moments like each bf16 parameter and, parameter by parameter, its step's temporaries."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            temporaries = torch.empty(STOCHASTIC_ADAMW.step_temporaries(p.numel(), cuda, True) // 4)
+            del temporaries
+            state = optimizer.state[p]
+            if not state:
+                state["exp_avg"] = torch.zeros_like(p)
+                state["exp_avg_sq"] = torch.zeros_like(p)
+
+
 #: optimizer -> (stand-in to construct, how its step runs on fake tensors)
 FAKE_STEP: dict[str, tuple[str, Any]] = {
+    "stochastic_adamw": ("adamw", _stochastic_adamw_states),
     "adafactor": ("adafactor", _adafactor_states),
     "adamw_8bit": ("adamw", _adamw_8bit_states),
     "paged_adamw_8bit": ("adamw", _adamw_8bit_states),
@@ -321,7 +348,14 @@ def trace_step(
     accum = min(2, accum)
     precision = PRECISIONS[config.get("precision", "fp32")]
     deepspeed = deepspeed_states(config)
+    # pure bf16 outside DeepSpeed: the model built in bf16, no autocast (as DeepSpeed's 16 bits)
+    model16 = deepspeed or pure_bf16(config) or bool(config.get("model16"))
+    # FSDP2 computes on 16-bit copies of its shards (its mixed-precision policy): the model
+    # runs in 16 bits as DeepSpeed's does
+    model16 = model16 or runs_fsdp(config)
     opt_name = str(config.get("optimizer", "adamw"))
+    if opt_name == "adamw" and stochastic_rounding(config) and not deepspeed:
+        opt_name = "stochastic_adamw"
     vocab = int(model_config["vocab_size"])
     tracker = PhaseTracker()
     with (
@@ -332,7 +366,7 @@ def trace_step(
         attention = str(config.get("attention", "sdpa"))
         # DeepSpeed's engine runs the model in 16 bits: build it so (``model.to(dtype)`` can't
         # swap parameters under fake tensors)
-        dtype = precision.autocast_dtype if deepspeed else None
+        dtype = precision.autocast_dtype if model16 else None
         traced_cfg = dict(model_config)
         if attention != "eager" and cuda:
             # CUDA's fused kernels apply attention dropout inside (no mask kept); the CPU's
@@ -385,7 +419,7 @@ def trace_step(
             optimizer = factory(model.parameters(), 1e-3)
         autocast = (
             torch.autocast("cpu", dtype=precision.autocast_dtype)
-            if precision.autocast_dtype is not None and not deepspeed
+            if precision.autocast_dtype is not None and not model16
             else nullcontext()
         )
         for _ in range(steps):
@@ -414,6 +448,8 @@ def trace_step(
     parts["hook:peak"] = tracker.hook_peak
     parts.update({f"first_hook:{k}": max(0, tracker.at_first_hook.get(k, 0)) for k in PARTS})
     parts["first_hook:peak"] = tracker.first_hook_peak
+    parts.update({f"bwd:{k}": max(0, tracker.at_backward_peak.get(k, 0)) for k in PARTS})
+    parts["bwd:peak"] = tracker.backward_peak
     parts["host_activations"] = tracker.host_peak
     parts["eager_fallback"] = fallback
     return parts
@@ -425,7 +461,8 @@ TRACED_STATES = ("parameters", "gradients", "optimizer_states")
 
 def _net_of_states(parts: dict[str, int], prefix: str = "") -> tuple[int, dict[str, int]]:
     """A traced peak (``prefix``: "" the step's, "hook:" the one after a first gradient hook,
-    "first_hook:" the one at it) and its breakdown, less the trace's model states."""
+    "first_hook:" the one at it, "bwd:" the one in backward before it) and its breakdown, less
+    the trace's model states."""
     breakdown = {k: parts[prefix + k] for k in PARTS}
     peak = parts[prefix + "peak"]
     for k in TRACED_STATES:
@@ -463,8 +500,21 @@ class TracedEstimator(Estimator):
         traced_cfg = {
             k: v
             for k, v in config.items()
-            if k not in ("zero_stage", "offload_optimizer", "offload_param", "quantization")
+            if k
+            not in (
+                "zero_stage",
+                "offload_optimizer",
+                "offload_param",
+                "quantization",
+                "adapter",
+                "lora_rank",
+                "lora_targets",
+            )
         }
+        if adapted_16bit(config):
+            # adapters over a 16-bit base trace as the 16-bit model (peft's modules can't be
+            # moved between dtypes on fake tensors); their own activations are added after
+            traced_cfg["model16"] = True
         if deepspeed_states(config):
             traced_cfg["deepspeed"] = True
         # the CPU's kernels trace what a GPU's fuse (attention dropout): its own cache entry
@@ -576,6 +626,41 @@ class TracedEstimator(Estimator):
                 breakdown.update(held)
             breakdown = {k: breakdown.get(k, 0) for k in PARTS}
             notes.extend(states.notes)
+        elif runs_fsdp(config):
+            # FSDP2: the trace ran one unsharded process. Its activations and logits at the
+            # first gradient hook (the start of backward) beside what a rank holds then
+            # (``fsdp_held``: shards, gathered parameters, the head's gradient), unless a moment
+            # with no activation left (the end of backward's reductions, the step) holds more
+            # (in backward before that hook too: the logits' gradients)
+            # (chunked cross-entropy: at the hook only, the head's gradient being ``fsdp_held``'s
+            # beside the slices' logits)
+            chunked = str(config.get("cross_entropy", "full")) == "chunked"
+            prefixes = ("first_hook:",) if chunked else ("bwd:", "first_hook:")
+            hook_peak, hook = max(
+                (_net_of_states(parts, prefix) for prefix in prefixes), key=lambda net: net[0]
+            )
+            held = fsdp_held(st, config, nproc, "start of backward", accum, cuda=gpu is not None)
+            peak = hook_peak + sum(held.values())
+            breakdown = {**hook, **held, "temporaries": hook["temporaries"] + held["temporaries"]}
+            for moment in ("end of backward", "optimizer step"):
+                alone = fsdp_held(st, config, nproc, moment, accum, cuda=gpu is not None)
+                if sum(alone.values()) > peak:
+                    peak, breakdown = sum(alone.values()), {**dict.fromkeys(PARTS, 0), **alone}
+            breakdown = {k: breakdown.get(k, 0) for k in PARTS}
+            notes.extend(states.notes)
+        elif adapts(config):
+            # the trace trained every weight of the frozen model: its step and the end of its
+            # backward (every gradient, AdamW's temporaries) are not the adapters'. Its
+            # activations and logits at the start of backward (before or at its first gradient
+            # hook, or after it) beside the formula's states, the adapters' step being small
+            peak, breakdown = -1, {}
+            for prefix in ("bwd:", "first_hook:", "hook:"):
+                net, parts_at = _net_of_states(parts, prefix)
+                if net > peak:
+                    peak, breakdown = net, parts_at
+            peak += sum(states.parts.values())
+            breakdown = {k: breakdown.get(k, 0) for k in PARTS} | states.parts
+            notes.extend(states.notes)
         elif states.replaces_trace:
             # The trace ran one unsharded process: swap its model states for the formula's.
             for k in TRACED_STATES:
@@ -589,6 +674,15 @@ class TracedEstimator(Estimator):
             breakdown["activations"] -= cut
             peak -= cut
             notes.append("16-bit copies of the (frozen, quantized) base weights removed")
+        if adapts(config):
+            # the trace trains the frozen model: what the adapters keep beside (or spare)
+            st_tokens = micro_shapes(config, seq_len, global_batch_size, documents, nproc)[0]
+            delta = adapter_activation_bytes(st, config, st_tokens.rows * st_tokens.length)
+            if breakdown["activations"] > 0:
+                delta = max(delta, -breakdown["activations"])
+                breakdown["activations"] += delta
+                peak += delta
+            notes.append("adapters' activations added to the frozen model's trace by formula")
         if compiles(config):
             # fake tensors run the layers eagerly: what the compiled layers do not keep is the
             # analytical model's difference (measured with saved-tensor hooks on a compiled one)

@@ -23,6 +23,7 @@ from typing import Any
 
 from trials.techniques import (
     activation_offload,
+    adapter,
     allocator,
     attention,
     buckets,
@@ -169,6 +170,7 @@ _BUILT_IN: list[Technique] = [
     zero.TECHNIQUE,
     offload.TECHNIQUE,
     quantization.TECHNIQUE,
+    adapter.TECHNIQUE,
     buckets.TECHNIQUE,
     allocator.TECHNIQUE,
 ]

@@ -65,14 +65,20 @@ def shard(model: nn.Module, config: Config, device: torch.device, world: int) ->
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    from trials.techniques.precision import PRECISIONS
+    from trials.techniques.precision import PRECISIONS, pure_bf16
 
     mesh = init_device_mesh(device.type, (world,))
     half = PRECISIONS[str(config.get("precision", "fp32"))].autocast_dtype
+    # pure bf16: the shards are bf16 themselves (built so), gathered and reduced in bf16
+    policy = (
+        MixedPrecisionPolicy()
+        if pure_bf16(config)
+        else MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)
+    )
     kwargs: dict[str, Any] = {
         "mesh": mesh,
         "reshard_after_forward": RESHARD[fsdp_mode(config)],
-        "mp_policy": MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32),
+        "mp_policy": policy,
     }
     if offloads_shards(config):
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")

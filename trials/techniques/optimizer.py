@@ -12,6 +12,7 @@ from torch import nn
 from trials.hardware import needs_bitsandbytes, needs_torchao
 from trials.techniques.base import Config, Knob, Run, Technique
 from trials.techniques.offload import offloads_optimizer
+from trials.techniques.precision import STOCHASTIC_OPTIMIZERS, stochastic_rounding
 from trials.techniques.zero import zero_stage
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter], float], torch.optim.Optimizer]
@@ -101,11 +102,11 @@ def torchao_quantizes(numel: int, bits: int) -> bool:
     return numel >= 4096 and numel % TORCHAO_BLOCK[bits] == 0
 
 
-def _torchao_bits(bits: int) -> StateBytes:
+def _torchao_bits(bits: int, fallback: int = 8) -> StateBytes:
     """torchao's OptimState8bit/4bit: per moment ``bits`` per value (uint8 codes, two 4-bit
     codes a byte), one fp32 scale per block and its own fp32 code book (2^bits entries) where
-    ``torchao_quantizes``; fp32 moments for the others (``subclass_8bit.py``,
-    ``subclass_4bit.py``)."""
+    ``torchao_quantizes``; for the others two moments like the parameter (``fallback`` bytes a
+    value: 8 for fp32 weights, 4 for bf16) (``subclass_8bit.py``, ``subclass_4bit.py``)."""
     block, qmap = TORCHAO_BLOCK[bits], 4 * 2**bits
 
     def state(shapes: Sequence[Shape]) -> int:
@@ -113,7 +114,7 @@ def _torchao_bits(bits: int) -> StateBytes:
         for s in shapes:
             n = _numel(s)
             quantized = torchao_quantizes(n, bits)
-            total += 2 * (n * bits // 8 + 4 * (n // block) + qmap) if quantized else 8 * n
+            total += 2 * (n * bits // 8 + 4 * (n // block) + qmap) if quantized else fallback * n
         return total
 
     return state
@@ -131,14 +132,30 @@ class OptimizerChoice:
     #: the same where the step is compiled (torchao's on CUDA; on the CPU backend it runs
     #: eagerly under the tracker): None, the same as eager
     compiled_step_copies: float | None = None
+    #: pure bf16 (bf16 weights, gradients and states): its state bytes (None: half of
+    #: ``state_bytes``, every state made like its parameter) and the fp32 copies its eager step
+    #: makes (None: ``step_copies`` in bf16, half the bytes: torch's optimizers compute in the
+    #: parameter's dtype)
+    pure_state_bytes: StateBytes | None = None
+    pure_step_copies: float | None = None
 
-    def step_temporaries(self, numel: int, cuda: bool) -> int:
+    def step_temporaries(self, numel: int, cuda: bool, pure: bool = False) -> int:
         """Bytes of the temporaries its step makes for a tensor of ``numel`` values, on CUDA
-        (``cuda``) or on the CPU backend."""
+        (``cuda``) or on the CPU backend; ``pure``: the tensor is bf16 (pure bf16)."""
         copies = self.step_copies
         if cuda and self.compiled_step_copies is not None:
             copies = self.compiled_step_copies
+        elif pure:
+            copies = self.pure_step_copies if self.pure_step_copies is not None else copies / 2
         return round(copies * 4 * numel)
+
+    def states_of(self, shapes: Sequence[Shape], pure: bool = False) -> int:
+        """State bytes for parameters of these shapes (``pure``: bf16 parameters)."""
+        if not pure:
+            return self.state_bytes(shapes)
+        if self.pure_state_bytes is not None:
+            return self.pure_state_bytes(shapes)
+        return self.state_bytes(shapes) // 2
 
 
 #: bits -> (eager, compiled) fp32 copies of the largest tensor torchao's step makes at once,
@@ -149,6 +166,10 @@ class OptimizerChoice:
 #: inductor (as torchao's ``single_param_adam`` is on CUDA), the two moments in fp32 for 8 bits
 #: and more for 4 bits, whose codes pack two to a byte (16,842,752 and 54,657,024 B)
 TORCHAO_STEP_COPIES = {8: (13.25, 2.0), 4: (13.25, 6.5)}
+#: the same, eager, over bf16 weights (pure bf16, with or without stochastic rounding: the same
+#: peak): one fp32 copy of the weight more (measured on the same tensor in bf16: 14.254 and
+#: 14.258 copies)
+TORCHAO_PURE_STEP_COPIES = 14.25
 
 
 def _torchao_choice(bits: int) -> OptimizerChoice:
@@ -161,6 +182,8 @@ def _torchao_choice(bits: int) -> OptimizerChoice:
         state_bytes=_torchao_bits(bits),
         step_copies=eager,
         compiled_step_copies=compiled,
+        pure_state_bytes=_torchao_bits(bits, fallback=4),
+        pure_step_copies=TORCHAO_PURE_STEP_COPIES,
     )
 
 
@@ -171,10 +194,18 @@ OPTIMIZERS: dict[str, OptimizerChoice] = {
     ),
     "lion": OptimizerChoice(_lion, lossy=True, hf_name="lion_32bit", state_bytes=_per_param(4)),
     "adamw_8bit": OptimizerChoice(
-        _adamw_8bit, lossy=True, hf_name="adamw_bnb_8bit", state_bytes=_bnb_8bit
+        _adamw_8bit,
+        lossy=True,
+        hf_name="adamw_bnb_8bit",
+        state_bytes=_bnb_8bit,
+        pure_state_bytes=_bnb_8bit,
     ),
     "paged_adamw_8bit": OptimizerChoice(
-        _paged_adamw_8bit, lossy=True, hf_name="paged_adamw_8bit", state_bytes=_bnb_8bit
+        _paged_adamw_8bit,
+        lossy=True,
+        hf_name="paged_adamw_8bit",
+        state_bytes=_bnb_8bit,
+        pure_state_bytes=_bnb_8bit,  # its 32-bit states below 4096 values are fp32 always
     ),
     "adamw_torchao_8bit": _torchao_choice(8),
     "adamw_torchao_4bit": _torchao_choice(4),
@@ -189,6 +220,55 @@ ADAM_EPS = 1e-8
 
 def optimizer_of(config: Config) -> str:
     return str(config.get("optimizer", "adamw"))
+
+
+#: torchao's ``_AdamW`` with ``bf16_stochastic_round`` over bf16 weights (``bf16_stochastic``
+#: with AdamW): bf16 moments; its eager step (the CPU backend) computes in fp32 and draws the
+#: rounding noise: 10.25 fp32 copies of the tensor at once (measured by the CPU tracker on one
+#: bf16 tensor of 2,097,152 values, 85,983,232 B beyond its weight, gradient and states, the
+#: same in a tiny-llama trial); compiled on CUDA (torchao's ``single_param_adam``) taken as
+#: torchao's 8-bit step: two fp32 copies (not measured here)
+STOCHASTIC_ADAMW = OptimizerChoice(
+    _adamw,
+    lossy=True,
+    hf_name="adamw_torch",
+    state_bytes=_per_param(8),
+    step_copies=10.25,
+    compiled_step_copies=2.0,
+    pure_step_copies=10.25,
+)
+
+
+def step_choice(config: Config) -> OptimizerChoice:
+    """The optimizer entry whose states and step temporaries the config's step has (torchao's
+    AdamW under ``bf16_stochastic`` with AdamW)."""
+    name = optimizer_of(config)
+    if name == "adamw" and stochastic_rounding(config):
+        return STOCHASTIC_ADAMW
+    return OPTIMIZERS[name]
+
+
+def optimizer_factory(config: Config) -> OptimizerFactory:
+    """The config's optimizer; under ``master_weights: bf16_stochastic`` torchao's class of it
+    with ``bf16_stochastic_round`` (fp32 math, the new bf16 weights rounded stochastically)."""
+    name = optimizer_of(config)
+    if not stochastic_rounding(config):
+        return OPTIMIZERS[name].factory
+    cls = STOCHASTIC_OPTIMIZERS.get(name)
+    if cls is None:
+        raise ValueError(
+            f"{name} has no bf16 stochastic rounding (torchao's {', '.join(STOCHASTIC_OPTIMIZERS)}"
+            " have)"
+        )
+
+    def make(params: Iterable[nn.Parameter], lr: float) -> torch.optim.Optimizer:
+        from torchao import optim as ao
+
+        return getattr(ao, cls)(  # type: ignore[no-any-return]
+            params, lr=lr, weight_decay=0.0, bf16_stochastic_round=True
+        )
+
+    return make
 
 
 class Optimizer(Technique):

@@ -1,5 +1,13 @@
 """Mixed precision: 16-bit compute and activations over fp32 master weights (torch autocast; in
-DeepSpeed its bf16/fp16 engine). fp16 needs dynamic loss scaling for its narrow range."""
+DeepSpeed its bf16/fp16 engine). fp16 needs dynamic loss scaling for its narrow range.
+
+Pure bf16 (``master_weights: bf16``): weights, gradients and optimizer states in bf16, no fp32
+master copy, on every engine: DeepSpeed ZeRO 1-3 through its ``bf16`` section's keys; the torch
+engine and FSDP2 build the model in bf16 and train it without autocast, the optimizer's states
+made like the parameters (bf16). ``bf16_stochastic`` is pure bf16 whose optimizer step computes
+in fp32 and rounds the new weights to bf16 stochastically (torchao's AdamW
+``bf16_stochastic_round``), so updates below bf16's resolution survive on average; it exists on
+the torch engine with the optimizers ``STOCHASTIC_OPTIMIZERS`` names (the space's rules)."""
 
 from __future__ import annotations
 
@@ -8,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from trials.hardware import needs_torchao
 from trials.techniques.base import Config, Knob, Run, Technique
 
 if TYPE_CHECKING:
@@ -39,14 +48,40 @@ def weight_dtype(precision: str) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
 
 
+#: ``master_weights`` choices: fp32 masters (mixed precision), pure bf16, pure bf16 with
+#: stochastic rounding in the optimizer's step
+MASTER_WEIGHTS = ("fp32", "bf16", "bf16_stochastic")
+#: optimizer -> torchao class whose ``bf16_stochastic_round`` gives ``bf16_stochastic`` (the
+#: others have no stochastic rounding: the space forbids them with it)
+STOCHASTIC_OPTIMIZERS = {
+    "adamw": "_AdamW",
+    "adamw_torchao_8bit": "AdamW8bit",
+    "adamw_torchao_4bit": "AdamW4bit",
+}
+
+
 def pure_bf16(config: Config) -> bool:
-    """Whether DeepSpeed keeps master weights, gradients and optimizer states in bf16."""
-    return precision_of(config) == "bf16" and str(config.get("master_weights", "fp32")) == "bf16"
+    """Whether weights, gradients and optimizer states are all kept in bf16 (no fp32 master)."""
+    return precision_of(config) == "bf16" and str(config.get("master_weights", "fp32")) in (
+        "bf16",
+        "bf16_stochastic",
+    )
+
+
+def stochastic_rounding(config: Config) -> bool:
+    """Pure bf16 whose optimizer rounds the updated weights to bf16 stochastically."""
+    return pure_bf16(config) and str(config.get("master_weights")) == "bf16_stochastic"
+
+
+def model_dtype(config: Config) -> torch.dtype:
+    """The dtype the torch engine and FSDP2 build the model's weights in: bf16 in pure bf16, else
+    fp32 (autocast and FSDP2's mixed-precision policy compute in 16 bits over them)."""
+    return torch.bfloat16 if pure_bf16(config) else torch.float32
 
 
 def pure_bf16_keys(config: Config) -> dict[str, bool]:
     """The DeepSpeed ``bf16`` section's keys for pure bf16 (DeepSpeed 0.19, ZeRO 1-3)."""
-    if not pure_bf16(config):
+    if not pure_bf16(config) or stochastic_rounding(config):
         return {}
     return {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
 
@@ -76,18 +111,21 @@ class MixedPrecision(Technique):
             # fp16 is fine in plain torch on any CPU, but every zero_stage runs DeepSpeed
             requires_with={"fp16": ("zero_stage", _deepspeed_fp16)},
         ),
-        # Pure bf16: DeepSpeed's master weights, gradients and optimizer states in bf16 too
-        # (``bf16_master_weights_and_grads``, ``bf16_optimizer_states``, ZeRO 1-3 with the
-        # states on the device): 2 + 2 + 4 bytes per parameter for AdamW instead of 2 + 4 + 4 +
-        # 8; updates below bf16's resolution are lost, so the state class is reduced
+        # Pure bf16: master weights, gradients and optimizer states in bf16 too (DeepSpeed
+        # ZeRO 1-3: ``bf16_master_weights_and_grads``, ``bf16_optimizer_states``, the states on
+        # the device; the torch engine and FSDP2: the model built in bf16, no autocast): 2 + 2 +
+        # 4 bytes per parameter for AdamW instead of 4 + 4 + 8 (autocast) or 2 + 4 + 4 + 8
+        # (DeepSpeed); updates below bf16's resolution are lost (stochastic rounding keeps them
+        # on average), so the state class is reduced
         Knob(
             "master_weights",
-            ("fp32", "bf16"),
+            MASTER_WEIGHTS,
             baseline="fp32",
-            short=lambda v: "" if v == "fp32" else "pure-bf16",
-            fidelity={"bf16": "reduced_state"},
-            # bf16 states keep half the bytes
-            memory_order=lambda v: {"bf16": 0.0, "fp32": 1.0}[v],
+            short=lambda v: {"fp32": "", "bf16": "pure-bf16"}.get(v, "pure-bf16-sr"),
+            fidelity={"bf16": "reduced_state", "bf16_stochastic": "reduced_state"},
+            # bf16 states keep half the bytes; stochastic rounding's step makes fp32 temporaries
+            memory_order=lambda v: {"bf16": 0.0, "bf16_stochastic": 0.5, "fp32": 1.0}[v],
+            requires={"bf16_stochastic": needs_torchao},
             probe_needs={"bf16": {"zero_stage": 1}},
         ),
     )
@@ -118,7 +156,21 @@ class MixedPrecision(Technique):
         return {"mixed_precision": {"fp32": "no"}.get(precision, precision)}
 
     def axolotl(self, config: Config, run: Run) -> dict[str, Any]:
+        if pure_bf16(config) and "zero_stage" not in config:
+            # the model loaded in bf16 and trained without autocast (axolotl's bfloat16)
+            return {"bf16": False, "fp16": False, "bfloat16": True}
         return self.training_arguments(config, run)
+
+    def companion(self, config: Config, run: Run) -> dict[str, Any]:
+        if not pure_bf16(config) or "zero_stage" in config:
+            return {}
+        # pure bf16 outside DeepSpeed: a training script loads the model in bf16 (no autocast)
+        # and, with stochastic rounding, steps torchao's optimizer with bf16_stochastic_round
+        return {
+            "model_dtype": "bfloat16",
+            "autocast": False,
+            "bf16_stochastic_round": stochastic_rounding(config),
+        }
 
 
 TECHNIQUE = MixedPrecision()
