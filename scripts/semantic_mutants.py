@@ -63,20 +63,28 @@ MUTANTS: list[Mutant] = [
     ),
     # --- finalists ------------------------------------------------------------------------------
     Mutant(
-        "finalists-slowest-four",
+        "finalists-slowest-three",
         "autotune/finalists.py",
-        "rows = sorted(result.contenders, key=lambda r: -r.speed)[:MAX_FINALISTS]",
-        "rows = sorted(result.contenders, key=lambda r: r.speed)[:MAX_FINALISTS]",
-        "with more than four tied contenders the slowest four are re-measured, the fastest "
-        "left out",
+        "top = sorted(feasible, key=lambda r: (-r.tokens_per_s, r.number))[:MAX_FINALISTS]",
+        "top = sorted(feasible, key=lambda r: (r.tokens_per_s, r.number))[:MAX_FINALISTS]",
+        "with more than three feasible configurations the slowest three are re-measured, the "
+        "fastest left out",
+        FINALISTS,
+    ),
+    Mutant(
+        "finalists-infeasible-remeasured",
+        "autotune/finalists.py",
+        "feasible = [r for r in rows if r.fidelity in members and r.feasible]",
+        "feasible = [r for r in rows if r.fidelity in members]",
+        "a configuration over the budget, rejected by the loss guard or failed is a finalist",
         FINALISTS,
     ),
     Mutant(
         "finalists-failed-run-is-zero-sample",
         "autotune/finalists.py",
-        '                if result.status == "ok":\n'
-        "                    samples[str(n)].append(result.tokens_per_s)",
+        '            if result.status == "ok":\n'
         "                samples[str(n)].append(result.tokens_per_s)",
+        "            samples[str(n)].append(result.tokens_per_s)",
         "a re-measurement that failed or ran out of memory counts as a 0 tokens/s sample",
         FINALISTS,
     ),
@@ -115,9 +123,43 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "selector-speed-is-the-mean",
         "autotune/selector.py",
+        "return statistics.median(self.remeasured) if self.remeasured else self.tokens_per_s",
+        "return statistics.mean(self.remeasured) if self.remeasured else self.tokens_per_s",
+        "a configuration's speed is the mean of its re-measurements, one outlier moving it",
+        SELECTOR,
+    ),
+    Mutant(
+        "selector-stale-own-speed",
+        "autotune/selector.py",
+        "return statistics.median(self.remeasured) if self.remeasured else self.tokens_per_s",
+        "return self.tokens_per_s",
+        "the trial's own speed (another moment) is used instead of the re-measured median",
+        SELECTOR,
+    ),
+    Mutant(
+        "selector-stale-speed-among-samples",
+        "autotune/selector.py",
+        "return statistics.median(self.remeasured) if self.remeasured else self.tokens_per_s",
         "return statistics.median([self.tokens_per_s, *self.remeasured])",
-        "return statistics.mean([self.tokens_per_s, *self.remeasured])",
-        "a configuration's speed is the mean of its samples, one outlier moving it",
+        "the trial's own speed (another moment) is folded in with its re-measurements",
+        SELECTOR,
+    ),
+    Mutant(
+        "selector-one-remeasurement-no-noise",
+        "autotune/selector.py",
+        "self.remeasured if len(self.remeasured) > 1 else [self.tokens_per_s, *self.remeasured]",
+        "self.remeasured if self.remeasured else [self.tokens_per_s]",
+        "after one round a re-measured configuration has no noise of its own (a single sample "
+        "has no range)",
+        SELECTOR,
+    ),
+    Mutant(
+        "selector-unremeasured-decide",
+        "autotune/selector.py",
+        "    if remeasured:\n        feasible = remeasured",
+        "    if remeasured:\n        pass",
+        "a configuration not re-measured (its speed from another moment) competes with the "
+        "re-measured ones",
         SELECTOR,
     ),
     Mutant(
@@ -243,25 +285,44 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "finalists-lone-winner-remeasured",
         "autotune/finalists.py",
-        "if len(rows) > 1 and any(",
-        "if len(rows) >= 1 and any(",
-        "a winner with no tie is re-measured (runs spent on a settled answer)",
+        "if len(top) > 1 and any(",
+        "if len(top) >= 1 and any(",
+        "a lone feasible configuration is re-measured (runs spent on a settled answer)",
         FINALISTS,
     ),
     Mutant(
         "finalists-wait-for-all-unmeasured",
         "autotune/finalists.py",
-        "any(str(r.number) not in done for r in rows)",
-        "all(str(r.number) not in done for r in rows)",
+        "any(str(r.number) not in done for r in top)",
+        "all(str(r.number) not in done for r in top)",
         "a group where one finalist was re-measured and a new one joined is not re-measured",
         FINALISTS,
     ),
     Mutant(
         "finalists-not-interleaved",
         "autotune/finalists.py",
-        "        for i in range(rounds):\n            for n in numbers:",
-        "        for n in numbers:\n            for i in range(rounds):",
+        "    for i in range(rounds):\n"
+        "        for n in numbers if i % 2 == 0 else reversed(numbers):\n"
+        "            out.append((i, n))",
+        "    for n in numbers:\n        for i in range(rounds):\n            out.append((i, n))",
         "each finalist's rounds run back to back (A A B B), a slow minute hitting one of them",
+        FINALISTS,
+    ),
+    Mutant(
+        "finalists-rounds-not-reversed",
+        "autotune/finalists.py",
+        "for n in numbers if i % 2 == 0 else reversed(numbers):",
+        "for n in numbers:",
+        "every round in the same order (A B C A B C), a drift over the re-measurement favouring "
+        "the first",
+        FINALISTS,
+    ),
+    Mutant(
+        "finalists-stale-samples-kept",
+        "autotune/finalists.py",
+        ".items() if k not in stale",
+        ".items()",
+        "a re-measured group's earlier samples (another moment) are kept beside the new ones",
         FINALISTS,
     ),
     Mutant(
@@ -269,7 +330,7 @@ MUTANTS: list[Mutant] = [
         "autotune/finalists.py",
         "stored.update({n: s for n, s in samples.items() if s})",
         "stored = {n: s for n, s in samples.items() if s}",
-        "the samples stored before (other groups, earlier runs) are dropped",
+        "the samples stored before for other class groups are dropped",
         FINALISTS,
     ),
     Mutant(
@@ -382,8 +443,8 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "fidelity-pure-bf16-mixed",
         "trials/techniques/precision.py",
-        'fidelity={"bf16": "reduced_state"},',
-        'fidelity={"bf16": "mixed"},',
+        'fidelity={"bf16": "reduced_state", "bf16_stochastic": "reduced_state"},',
+        'fidelity={"bf16": "mixed", "bf16_stochastic": "reduced_state"},',
         "pure-bf16 master weights classed as mixed precision, not reduced state",
         FIDELITY,
     ),

@@ -6,10 +6,13 @@ quantity (random studies against a brute force: ``tests/test_selector_oracle.py`
 
 1. feasible: finished, peak at most the budget (equal fits), loss verdict not rejected (no
    verdict is not a rejection); out-of-memory, failed and copied trials never are;
-2. a configuration's speed: the median of its trial and its re-measurements; its noise: the
-   larger of the step-time spread and the samples' range over that median;
+2. a configuration's speed: the median of its side-by-side re-measurements where it has some
+   (the trial's own tokens/s, taken at another moment, is then left out), else the trial's own;
+   its noise: the larger of the step-time spread and the re-measurements' range over that
+   median; after a single re-measurement, the range over the trial's own tokens/s and it;
 3. a tie: a feasible configuration whose speed is within the larger of 5%, the fastest's noise
-   and its own noise, of the fastest;
+   and its own noise, of the fastest; once a group has re-measured configurations, only they
+   decide (a faster trial not re-measured was measured at another moment);
 4. among ties the simplest wins: fewer techniques, then lower ZeRO stage, then fewer offloads,
    then the faster; the others are listed as ties, fastest first;
 5. the class groups, most faithful first (full training exact or mixed, 8-bit state, other
@@ -49,10 +52,10 @@ def _exact(study: optuna.Study, config: dict[str, Any], **kw: Any) -> int:
 
 
 def test_a_contenders_own_noise_makes_it_a_tie() -> None:
-    """By hand: the fastest (1100 tokens/s, spread 1%) and a plain configuration measured at
-    1000, 850 and 1050 (median 1000, range 200/1000 = 20%). 1000 >= 1100 x (1 - 0.20) = 880:
-    a tie within the contender's own noise, and the simpler (plain) is named. Under the
-    fastest's noise alone (5%: 1045) it would not tie and the fastest would win."""
+    """By hand: the fastest re-measured once at 1100 (its trial 1100, spread 1%: noise 0) and a
+    plain configuration re-measured at 850 and 1050 (median 950, range 200/950 = 21.05%).
+    950 >= 1100 x (1 - 0.2105) = 868: a tie within the contender's own noise, and the simpler
+    (plain) is named. Under the fastest's noise alone (5%: 1045) it would not tie."""
     study = _study()
     fast = _exact(study, CKPT, tps=1100.0, spread=0.01)
     plain = _exact(study, PLAIN, tps=1000.0, spread=0.01)
@@ -60,7 +63,7 @@ def test_a_contenders_own_noise_makes_it_a_tie() -> None:
     sel = select(study)
     assert sel.winner is not None and sel.winner.number == plain
     assert [r.number for r in sel.ties] == [fast]
-    assert abs(sel.classes["full"].margin - 0.20) < 1e-9
+    assert abs(sel.classes["full"].margin - 200 / 950) < 1e-9
 
 
 def test_the_fastests_own_noise_makes_it_a_tie() -> None:
@@ -95,16 +98,44 @@ def test_the_floor_is_five_percent() -> None:
     assert select(study2).winner.number == fast  # type: ignore[union-attr]
 
 
-def test_speed_is_the_median_of_the_samples_and_noise_their_range() -> None:
-    """By hand: samples 1000, 1300, 1100: median 1100, range 300/1100."""
+def test_speed_is_the_median_of_the_remeasurements_and_noise_their_range() -> None:
+    """By hand: a trial at 5000 tokens/s (another moment, left out) re-measured at 1000, 1300
+    and 1100: median 1100 (the mean would be 1133; with the trial's own, 1200), noise the range
+    300/1100. Two re-measurements 1000 and 1010: median 1005, the step spread (2%) larger
+    than 10/1005."""
     study = _study()
-    n = _exact(study, PLAIN, tps=1000.0, spread=0.02)
-    study.set_user_attr("remeasured", {str(n): [1300.0, 1100.0]})
+    n = _exact(study, PLAIN, tps=5000.0, spread=0.02)
+    study.set_user_attr("remeasured", {str(n): [1000.0, 1300.0, 1100.0]})
     row = rows_of(study)[0]
     assert row.speed == 1100.0
     assert abs(row.spread - 300 / 1100) < 1e-12
-    study.set_user_attr("remeasured", {str(n): [1010.0]})
-    assert rows_of(study)[0].spread == 0.02  # the step spread is larger than 10/1005
+    study.set_user_attr("remeasured", {str(n): [1000.0, 1010.0]})
+    row = rows_of(study)[0]
+    assert row.speed == 1005.0 and row.spread == 0.02
+
+
+def test_one_remeasurement_its_noise_is_the_range_with_the_trials_own() -> None:
+    """By hand: a trial at 1000 tokens/s (spread 1%) re-measured once at 1250: speed 1250,
+    noise (1250 - 1000) / 1250 = 20% (a single sample has no range of its own)."""
+    study = _study()
+    n = _exact(study, PLAIN, tps=1000.0, spread=0.01)
+    study.set_user_attr("remeasured", {str(n): [1250.0]})
+    row = rows_of(study)[0]
+    assert row.speed == 1250.0
+    assert abs(row.spread - 0.2) < 1e-12
+
+
+def test_once_remeasured_only_the_remeasured_decide() -> None:
+    """By hand: a trial at 2000 tokens/s not re-measured (taken at another moment), beside
+    checkpointing re-measured at 1000 and 1010 and plain at 900 and 905 (median 902.5, beyond
+    5% of 1005): checkpointing wins, no ties. Deciding on every speed, the 2000 would win."""
+    study = _study()
+    _exact(study, ZERO2, tps=2000.0)
+    ck = _exact(study, CKPT, tps=700.0)
+    plain = _exact(study, PLAIN, tps=1500.0)
+    study.set_user_attr("remeasured", {str(ck): [1000.0, 1010.0], str(plain): [900.0, 905.0]})
+    sel = select(study)
+    assert sel.winner is not None and sel.winner.number == ck and sel.ties == []
 
 
 def test_ties_go_to_fewer_techniques_then_lower_stage_then_fewer_offloads() -> None:
