@@ -22,6 +22,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from autotune.display import (
+    certainty_line,
     commands_grid,
     describe,
     ladder_table,
@@ -58,7 +59,7 @@ from autotune.lossguard import Prober, ProbeSettings
 from autotune.masking import mask_url, url_secrets
 from autotune.models import resolve_model
 from autotune.runner import TrialRunner
-from autotune.selector import select, selection_json
+from autotune.selector import CONTENDERS_ATTR, select, selection_json
 from autotune.space import SearchSpace
 from autotune.storage import open_storage
 from autotune.study import (
@@ -230,6 +231,10 @@ def _optimize(
             sys.exit(130)
     if confirm and not worker and settings.backend != "estimate":
         _confirm_finalists(study, launched, storage_url)
+    if not worker and settings.backend != "estimate":
+        from autotune.strategy import record_contenders  # numpy: only after a search
+
+        record_contenders(study)  # the answer's certainty line (strategy.contenders)
 
 
 def _prober(settings: StudySettings, real: TrialRunner) -> tuple[Prober | None, str]:
@@ -356,6 +361,11 @@ def _report(
                 f"{counts['failed']} failed {full_table}"
             )
         print_answer(console, sel, commands)
+        certainty = certainty_line(
+            study.user_attrs.get(CONTENDERS_ATTR), resume_hint(study.study_name, storage_url)
+        )
+        if certainty:
+            console.print(certainty, markup=False)
     console.print(f"stored in {mask_url(storage_url)} as study '{study.study_name}'", markup=False)
 
 

@@ -24,6 +24,7 @@ from optuna.trial import TrialState
 
 from autotune.estimator.speed import MODEL_ERROR
 from autotune.lossguard import LossVerdict
+from autotune.strategy import CONTENDERS_ATTR
 from autotune.study import settings_of
 from autotune.units import format_size
 from trials.techniques import REGISTRY, classes_up_to, fidelity_class
@@ -383,5 +384,7 @@ def selection_json(study: optuna.Study) -> dict[str, Any]:
             for g, c in sel.classes.items()
         },
         "load_warning": sel.load_warning,
+        # untried configurations that could still win (strategy.record_contenders)
+        "unmeasured_contenders": study.user_attrs.get(CONTENDERS_ATTR),
         "trials": rows,
     }

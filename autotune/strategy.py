@@ -169,6 +169,11 @@ IMPLIED_OOM_FIT = 0.05
 LOCAL_RADIUS = 2
 #: how much smaller (log) a neighbour's acquisition may be than the best's for a local step
 LOCAL_MARGIN = math.log(100.0)
+#: an untried candidate predicted within this fraction of the best measured speed could
+#: still win (``contenders``, the answer's certainty line)
+CONTENDER_WITHIN = 0.10
+#: study user attr: what the search has not measured that could still win
+CONTENDERS_ATTR = "unmeasured_contenders"
 #: a candidate less likely than this to fit the budget is not proposed while another is
 MIN_FIT_PROBABILITY = 0.2
 
@@ -262,6 +267,17 @@ class _HammingGP:
         return mean, var
 
 
+@dataclass
+class _Model:
+    """What ``_assess`` made of the history, per candidate."""
+
+    done: np.ndarray
+    log_speed: np.ndarray  # corrected prediction (posterior mean)
+    p_fit: np.ndarray
+    penalty: np.ndarray  # > 0: predicted to crash or to break the loss guard
+    incumbent: float | None  # log tokens/s of the best feasible measurement
+
+
 class AutotuneSampler(BaseSampler):
     """Plans each trial's configuration from predictions corrected by measurements.
 
@@ -348,6 +364,19 @@ class AutotuneSampler(BaseSampler):
 
     def plan(self, history: Sequence[Observation]) -> Config | None:
         """The next configuration to measure, or None when every candidate is known."""
+        return self._assess(history)[0]
+
+    def contenders(self, history: Sequence[Observation], within: float = CONTENDER_WITHIN) -> int:
+        """Untried candidates that could still win: predicted (the estimator corrected by the
+        measurements) at least ``1 - within`` of the best feasible measured speed, more likely
+        than not to fit, not predicted to crash or break the loss guard."""
+        _, model = self._assess(history)
+        if model is None or model.incumbent is None:
+            return 0
+        close = model.log_speed >= model.incumbent + math.log(1.0 - within)
+        return int((close & ~model.done & (model.p_fit >= 0.5) & (model.penalty == 0)).sum())
+
+    def _assess(self, history: Sequence[Observation]) -> tuple[Config | None, _Model | None]:
         done = np.zeros(len(self.candidates), dtype=bool)
         implied = np.zeros(len(self.candidates), dtype=bool)
         peak_rows: list[int] = []
@@ -379,7 +408,7 @@ class AutotuneSampler(BaseSampler):
                 implied |= self._implied_oom(i)
 
         if done.all():
-            return None
+            return None, None
         speed_model = _HammingGP(self._hamming, SPEED_SIGNAL)
         speed_model.fit(speed_rows, speed_y)
         peak_model = _HammingGP(self._hamming, PEAK_SIGNAL)
@@ -432,6 +461,7 @@ class AutotuneSampler(BaseSampler):
             predicted = self._x[:, self._lossy] @ w
             penalty = (predicted > self.loss_tolerance).astype(float)
         penalty += self._crash_penalty(history)
+        model = _Model(done, log_speed, p_fit, penalty, max(feasible)[0] if feasible else None)
         candidates = ~done
         if (p_fit[candidates] >= MIN_FIT_PROBABILITY).any():
             candidates &= p_fit >= MIN_FIT_PROBABILITY
@@ -451,7 +481,7 @@ class AutotuneSampler(BaseSampler):
             best = order[candidates[order]][0]
         else:
             best = int(np.argmin(np.where(done, np.inf, log_peak)))
-        return self.candidates[int(best)]
+        return self.candidates[int(best)], model
 
     def _crash_penalty(self, history: Sequence[Observation]) -> np.ndarray:
         """1 for candidates predicted to crash. A crash is blamed on one choice or one pair of
@@ -589,3 +619,13 @@ def analytical_predictor(
         return float(est.peak_bytes), float(est.tokens_per_s)
 
     return predict
+
+
+def record_contenders(study: optuna.Study) -> None:
+    """Store with the study how many untried configurations could still win (``contenders``),
+    when its sampler is autotune's; the console's answer and ``show --json`` read it."""
+    sampler = study.sampler
+    if not isinstance(sampler, AutotuneSampler):
+        return
+    count = sampler.contenders(observations(study))
+    study.set_user_attr(CONTENDERS_ATTR, {"within": CONTENDER_WITHIN, "count": count})

@@ -137,6 +137,26 @@ def test_the_next_candidate_is_the_best_expected_improvement_in_log_speed() -> N
         assert sampler_of(rows, 1e9).plan(history) == expected, scale
 
 
+def test_contenders_are_untried_candidates_predicted_within_ten_percent_of_the_best() -> None:
+    """``contenders``: untried candidates whose corrected speed (prior x exp(GP mean), the
+    posterior recomputed here in weight space) is at least 90% of the best measured one's,
+    that surely fit: with Q's prior a hair above or below the speed that puts it at 90%, Q
+    counts or does not; T counts as the oracle says."""
+    measured = [(A, 1000.0, 500.0), (B, 2000.0, 1600.0)]
+    y = [math.log(m / p) for _, p, m in measured]
+    threshold = math.log(0.9 * 1600.0)
+    t_mean, _ = posterior([A, B], y, T, SPEED)
+    q_mean, _ = posterior([A, B], y, Q, SPEED)
+    t_counts = int(math.log(1000.0) + t_mean >= threshold)
+    q_prior = math.exp(threshold - q_mean)
+    history = [Observation(c, "ok", 1e6, m) for c, _, m in measured]
+    for scale, q_counts in ((1 + 1e-6, 1), (1 - 1e-6, 0)):
+        rows = [(A, 1e6, 1000.0), (B, 1e6, 2000.0), (T, 1e6, 1000.0), (Q, 1e6, q_prior * scale)]
+        assert sampler_of(rows, 1e9).contenders(history) == t_counts + q_counts, scale
+    # nothing feasible measured yet: nothing to compare with
+    assert sampler_of(rows, 1e9).contenders([]) == 0
+
+
 def test_an_oom_is_a_lower_bound_raised_until_predicted_over_the_budget() -> None:
     """An OOM's peak is a lower bound, raised by 10% steps until the GP predicts the OOM over
     the budget; B, sharing the OOM's choice ``a`` (prior: 3/4 of the budget), then fits with
