@@ -47,6 +47,7 @@ from optuna.distributions import BaseDistribution
 from optuna.samplers import BaseSampler, RandomSampler
 from optuna.trial import FrozenTrial, TrialState
 
+from autotune.runner import TIMEOUT_ERROR
 from trials.data import Documents
 from trials.techniques import REGISTRY, is_exact
 
@@ -97,7 +98,8 @@ def needs_no_less_memory(candidate: Config, known_oom: Config) -> bool:
 class Observation:
     config: Config
     #: ok | oom (measured) | predicted_oom (the pre-screen's: never run, implies nothing about
-    #: other configurations) | failed (deterministic: never proposed again) | running
+    #: other configurations) | failed (deterministic: never proposed again) | running |
+    #: timeout (killed at the trial timeout: not proposed again)
     status: str
     peak_bytes: float
     tokens_per_s: float
@@ -107,6 +109,12 @@ class Observation:
 
 def observations(study: optuna.Study) -> list[Observation]:
     out = []
+    for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,)):
+        # killed at the trial timeout: the same configuration would take as long again, so
+        # it counts as tried (not as a crash: it says nothing of its choices)
+        a = t.user_attrs
+        if "config" in a and str(a.get("error", "")).startswith(TIMEOUT_ERROR):
+            out.append(Observation(a["config"], "timeout", 0.0, 0.0))
     for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
         a = t.user_attrs
         if "config" not in a or a.get("status") not in ("ok", "oom", "failed"):
