@@ -13,9 +13,8 @@ grid) the sampler starts from what is cheap to know:
    marginal likelihood: the more the measurements disagree with the estimator, the less its
    ranking is trusted.
 3. **Monotone pruning.** If a configuration ran out of memory, the same configuration with a
-   bigger micro-batch or less checkpointing would too; those keep a 5% chance to fit, below
-   the proposal threshold. An OOM is also a lower bound on the peak and enters the
-   correction as such.
+   bigger micro-batch or less checkpointing would too; those are never proposed. An OOM is
+   also a lower bound on the peak and enters the correction as such.
 4. **Loss and crashes.** The measured loss regressions are fitted on the lossy choices (bf16,
    fp16, other optimizers, quantization) by a ridge without bias; a configuration predicted to
    regress beyond the tolerance is tried last. Exact techniques never regress by construction.
@@ -171,8 +170,6 @@ SPEED_SIGNAL = Signal(bias=1.0, additive=1.0, interaction=0.3)
 _NOISES = (1e-3, 1e-2)
 #: measurements before the spreads are fitted rather than taken from the prior
 _FIT_AFTER = 4
-#: the chance left to fit to a candidate that needs no less memory than a measured OOM
-IMPLIED_OOM_FIT = 0.05
 #: differing choices that make a candidate the incumbent's neighbour (the local steps)
 LOCAL_RADIUS = 2
 #: how much smaller (log) a neighbour's acquisition may be than the best's for a local step
@@ -386,7 +383,6 @@ class AutotuneSampler(BaseSampler):
 
     def _assess(self, history: Sequence[Observation]) -> tuple[Config | None, _Model | None]:
         done = np.zeros(len(self.candidates), dtype=bool)
-        implied = np.zeros(len(self.candidates), dtype=bool)
         peak_rows: list[int] = []
         peak_y: list[float] = []
         speed_rows: list[int] = []
@@ -413,7 +409,7 @@ class AutotuneSampler(BaseSampler):
                 # a lower bound: the peak was at least the live bytes when it ran out
                 oom_rows.append(i)
                 oom_y.append(math.log(max(o.peak_bytes, self.budget)) - self._log_peak[i])
-                implied |= self._implied_oom(i)
+                done |= self._implied_oom(i)
 
         if done.all():
             return None, None
@@ -438,9 +434,6 @@ class AutotuneSampler(BaseSampler):
         log_peak = self._log_peak + peak_mean
         # probability that a candidate fits: the budget against the corrected peak's spread
         p_fit = _normal_cdf((log_budget - log_peak) / np.sqrt(peak_var + peak_model.noise))
-        # needing no less memory than an OOM: over the budget unless the measured peaks are
-        # not monotone after all (noise at the boundary, an allocator's rounding)
-        p_fit = np.where(implied, p_fit * IMPLIED_OOM_FIT, p_fit)
         speed_mean, speed_var = speed_model.predict()
         log_speed = self._log_speed + speed_mean
         # constraint-weighted expected improvement (Gardner et al. 2014) in log tokens/s over
