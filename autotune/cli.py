@@ -22,6 +22,7 @@ from click.core import ParameterSource
 from rich.markup import escape
 
 from autotune.display import (
+    certainty_line,
     commands_grid,
     ladder_table,
     print_answer,
@@ -60,7 +61,7 @@ from autotune.pending import PENDING_DIR, PendingResults
 from autotune.progress import StudyProgress
 from autotune.runner import InProcessRunner, SubprocessRunner, TrialRunner
 from autotune.safe_files import database_files, write_folder
-from autotune.selector import select, selection_json
+from autotune.selector import CONTENDERS_ATTR, select, selection_json
 from autotune.space import SearchSpace
 from autotune.storage import open_storage
 from autotune.study import (
@@ -243,6 +244,10 @@ def _optimize(
             sys.exit(130)
     if confirm and not worker and settings.backend != "estimate":
         _confirm_finalists(study, launched, storage_url, progress.say)
+    if not worker and settings.backend != "estimate":
+        from autotune.strategy import record_contenders  # numpy: only after a search
+
+        record_contenders(study)  # the answer's certainty line (strategy.contenders)
 
 
 def _optimize_loop(
@@ -457,6 +462,11 @@ def _report(
                 f"{counts['failed']} failed {full_table}"
             )
         print_answer(console, sel, commands)
+        certainty = certainty_line(
+            study.user_attrs.get(CONTENDERS_ATTR), resume_hint(study.study_name, storage_url)
+        )
+        if certainty:
+            console.print(certainty, markup=False)
     console.print(f"stored in {mask_url(storage_url)} as study '{study.study_name}'", markup=False)
 
 

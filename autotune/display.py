@@ -255,3 +255,22 @@ def answer_grid(sel: Selection, commands: dict[str, str]) -> Table:
     for label, command in commands.items():
         grid.add_row(label, escape(command))
     return grid
+
+
+def certainty_line(contenders: dict[str, Any] | None, resume: str) -> str | None:
+    """How sure the answer is: untried configurations the corrected estimator ranks close to the
+    winner (``strategy.record_contenders``), and ``resume`` (``: autotune resume ...``, the
+    study's own command) with ``--trials N`` to measure them."""
+    if not contenders:
+        return None
+    within = f"{100 * float(contenders['within']):g}%"
+    count = int(contenders["count"])
+    if count == 0:
+        return (
+            f"every configuration the estimator ranks within {within} of the winner was "
+            "measured: more trials are unlikely to find a faster one"
+        )
+    return (
+        f"configurations the estimator ranks within {within} of the winner: {count} not yet "
+        f"measured; more trials may find a faster one{resume} --trials {count}"
+    )

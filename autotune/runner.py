@@ -60,6 +60,9 @@ DISTRIBUTED_PREFIXES = ("TORCHELASTIC_", "TORCH_ELASTIC_")
 RANK_GRACE_S = 3.0
 POLL_S = 0.2
 
+#: how the error of a trial killed at its timeout begins (the strategy does not plan it again)
+TIMEOUT_ERROR = "timed out after"
+
 
 def trial_env(base: dict[str, str], spec: TrialSpec | None) -> dict[str, str]:
     """A trial job's environment: the caller's, without any distributed-job identity or the
@@ -210,7 +213,7 @@ class SubprocessRunner(TrialRunner):
                 kill_group(proc)
                 return TrialResult(
                     status="failed",
-                    error=f"timed out after {self.timeout_s:g}s",
+                    error=f"{TIMEOUT_ERROR} {self.timeout_s:g}s",
                     stderr_tail=_tail(stderr_path),
                     transient=True,
                     wall_s=time.perf_counter() - start,

@@ -25,7 +25,7 @@ from optuna.trial import TrialState
 
 from autotune.estimator.speed import MODEL_ERROR
 from autotune.lossguard import LossVerdict
-from autotune.strategy import FOREIGN, foreign_record
+from autotune.strategy import CONTENDERS_ATTR, FOREIGN, foreign_record
 from autotune.study import settings_of
 from autotune.units import format_size
 from trials.techniques import REGISTRY, classes_up_to, fidelity_class
@@ -422,5 +422,7 @@ def selection_json(study: optuna.Study) -> dict[str, Any]:
         "load_warning": sel.load_warning,
         # estimate backend: the best full training per host memory size where it changes
         "host_frontier": study.user_attrs.get("host_frontier", []),
+        # untried configurations that could still win (strategy.record_contenders)
+        "unmeasured_contenders": study.user_attrs.get(CONTENDERS_ATTR),
         "trials": rows,
     }

@@ -6,21 +6,26 @@ grid) the sampler starts from what is cheap to know:
 1. **Prior.** Every configuration of the (finite) space gets a predicted peak and tokens/s from
    an estimator (the analytical model: instant).
 2. **Correction.** After each measured trial the prediction errors, ``log(measured/predicted)``
-   for peak and for speed, are fitted by a small ridge regression on the configuration's
-   one-hot technique choices, so a systematic error (fp16 with no fast kernels on a CPU, an
-   activation term the formula misses) moves every configuration that shares the technique.
+   for peak and for speed, are modelled by a Gaussian process over the categorical choices
+   (``_HammingGP``: a shared scale error, per-choice effects and pairwise interactions), so a
+   systematic error (fp16 with no fast kernels on a CPU, an activation term the formula
+   misses) moves every configuration that shares the choice. Its spreads are fitted by
+   marginal likelihood: the more the measurements disagree with the estimator, the less its
+   ranking is trusted.
 3. **Monotone pruning.** If a configuration ran out of memory, the same configuration with a
    bigger micro-batch or less checkpointing would too; those are never proposed. An OOM is
    also a lower bound on the peak and enters the correction as such.
 4. **Loss and crashes.** The measured loss regressions are fitted on the lossy choices (bf16,
    fp16, other optimizers, quantization) by a ridge without bias; a configuration predicted to
    regress beyond the tolerance is tried last. Exact techniques never regress by construction.
-   Crashed trials (never proposed again) are fitted the same way on every choice (crashed 1,
-   ran 0), so the other configurations sharing a crashing combination are tried last too.
-5. **Choice.** Propose the untried configuration with the highest corrected speed, plus a small
-   bonus for technique choices not measured yet (LinUCB: the ridge's posterior spread), among
-   those whose corrected peak fits the budget; if none is predicted to fit, the smallest
-   predicted peak (to learn where the boundary is).
+   A crash is blamed on one choice or pair of choices of the crashed configuration not seen in
+   one that ran; a candidate holding most of those suspects is tried last.
+5. **Choice.** Propose the untried configuration with the highest expected improvement of log
+   tokens/s over the best feasible measurement times its probability to fit the budget
+   (constraint-weighted EI), among those with at least a 20% chance to fit; every other
+   trial only among the best one's neighbours (at most 2 choices changed: a trust region),
+   unless all of them are hopeless. If nothing is likely to fit, the smallest predicted peak
+   (to learn where the boundary is).
 
 It is an Optuna sampler: each trial's whole configuration is planned in ``before_trial`` and
 ``sample_independent`` answers the space's suggest calls from the plan, so the study, its
@@ -41,6 +46,7 @@ from optuna.distributions import BaseDistribution
 from optuna.samplers import BaseSampler, RandomSampler
 from optuna.trial import FrozenTrial, TrialState
 
+from autotune.runner import TIMEOUT_ERROR
 from autotune.terminal import printable
 from trials.data import Documents
 from trials.techniques import REGISTRY, is_exact
@@ -56,9 +62,8 @@ Predictor = Callable[[Config], tuple[float, float]]
 #: optimizer or quantization is blamed on that first.
 LOSS_RIDGE_ALPHA: dict[str, float] = {"precision": 1.0}
 LOSS_RIDGE_DEFAULT = 0.05
-#: the crash model (``_crash_penalty``): ridge strength, and the predicted crash score above
-#: which a candidate is tried last
-CRASH_RIDGE_ALPHA = 0.5
+#: the crash model (``_crash_penalty``): the share of a crash's suspect choices and pairs
+#: above which a candidate is tried last
 CRASH_THRESHOLD = 0.5
 #: system attr holding a running trial's planned configuration (seen by other workers)
 PLAN_ATTR = "autotune:plan"
@@ -93,7 +98,8 @@ def needs_no_less_memory(candidate: Config, known_oom: Config) -> bool:
 class Observation:
     config: Config
     #: ok | oom (measured) | predicted_oom (the pre-screen's: never run, implies nothing about
-    #: other configurations) | failed (deterministic: never proposed again) | running
+    #: other configurations) | failed (deterministic: never proposed again) | running |
+    #: timeout (killed at the trial timeout: not proposed again)
     status: str
     peak_bytes: float
     tokens_per_s: float
@@ -146,6 +152,12 @@ def foreign_record(a: dict[str, Any]) -> str:
 
 def observations(study: optuna.Study) -> list[Observation]:
     out = []
+    for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,)):
+        # killed at the trial timeout: the same configuration would take as long again, so
+        # it counts as tried (not as a crash: it says nothing of its choices)
+        a = t.user_attrs
+        if "config" in a and str(a.get("error", "")).startswith(TIMEOUT_ERROR):
+            out.append(Observation(a["config"], "timeout", 0.0, 0.0))
     for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,)):
         a = t.user_attrs
         if "config" not in a or a.get("status") not in ("ok", "oom", "failed"):
@@ -168,28 +180,153 @@ def observations(study: optuna.Study) -> list[Observation]:
     return out
 
 
-class _Ridge:
-    """log-residual model on one-hot (dimension, value) features, shrunk towards zero.
+def _normal_cdf(z: np.ndarray) -> np.ndarray:
+    return np.asarray(0.5 * (1.0 + _erf(z / math.sqrt(2.0))))
 
-    The last column of the design matrix is a shared bias: a global scale error of the
-    estimator (e.g. its GPU runs faster than the roofline's efficiency), cheap to learn."""
 
-    def __init__(self, n_features: int, alpha: float = 1.0) -> None:
-        self.alpha = alpha
-        self.w = np.zeros(n_features)
+def _normal_pdf(z: np.ndarray) -> np.ndarray:
+    return np.asarray(np.exp(-0.5 * z * z) / math.sqrt(2.0 * math.pi))
 
-        self.a_inv = np.eye(n_features) / alpha
 
-    def fit(self, x: np.ndarray, y: Sequence[float]) -> None:
-        penalty = self.alpha * np.eye(x.shape[1])
-        penalty[-1, -1] = 1e-3
-        self.a_inv = np.linalg.inv(x.T @ x + penalty)
-        if len(y):
-            self.w = self.a_inv @ (x.T @ np.asarray(y))
+_erf = np.vectorize(math.erf, otypes=[float])
 
-    def uncertainty(self, x: np.ndarray) -> np.ndarray:
-        """Posterior spread of the correction, in units of the residual noise (LinUCB)."""
-        return np.sqrt(np.maximum(np.einsum("ij,jk,ik->i", x, self.a_inv, x), 0.0))
+
+@dataclass(frozen=True)
+class Signal:
+    """The prior spread of a log-correction of the estimator (peak or speed): ``bias``, the
+    variance of a shared scale error (the whole estimator off by a factor); ``additive``, the
+    variance of the sum of per-choice effects; ``interaction``, of what choices do together."""
+
+    bias: float
+    additive: float
+    interaction: float
+    #: the multiples of the spreads the marginal likelihood picks from: the speed's never
+    #: below the prior's (a GP fitted to clustered measurements is overconfident about the
+    #: choices it has not seen, and the optimum hides there), the peak's down to a tenth
+    #: (memory is deterministic: once measured, a choice's error is known)
+    scales: tuple[float, ...] = (1.0, 2.0, 4.0)
+
+
+#: the peak estimator is close (its formulas are exact in most terms); the speed's roofline
+#: efficiencies are guesses, and its interactions (offload x ZeRO, recompute x micro-batch)
+#: are its weakest part
+PEAK_SIGNAL = Signal(bias=0.25, additive=0.1, interaction=0.02, scales=(0.1, 0.3, 1.0, 3.0))
+SPEED_SIGNAL = Signal(bias=1.0, additive=1.0, interaction=0.3)
+#: the grid the marginal likelihood picks the measurement noise's variance from
+_NOISES = (1e-3, 1e-2)
+#: measurements before the spreads are fitted rather than taken from the prior
+_FIT_AFTER = 4
+#: differing choices that make a candidate the incumbent's neighbour (the local steps)
+LOCAL_RADIUS = 2
+#: how much smaller (log) a neighbour's acquisition may be than the best's for a local step
+LOCAL_MARGIN = math.log(100.0)
+#: an untried candidate predicted within this fraction of the best measured speed could
+#: still win (``contenders``, the answer's certainty line)
+CONTENDER_WITHIN = 0.10
+#: study user attr: what the search has not measured that could still win
+CONTENDERS_ATTR = "unmeasured_contenders"
+#: a candidate less likely than this to fit the budget is not proposed while another is
+MIN_FIT_PROBABILITY = 0.2
+
+
+class _HammingGP:
+    """A Gaussian process on the log-correction of the estimator over categorical choices.
+
+    Its kernel is a shared bias, plus a term linear in the number of choices two
+    configurations share (per-choice effects that add up, like a ridge on one-hot choices),
+    plus one in the number of pairs of choices they share (what two choices do together:
+    offload with a ZeRO stage, recomputation with a micro-batch). Its spreads and noise are
+    chosen by marginal
+    likelihood once there are a few measurements: where measurements disagree with the
+    estimator the fitted spreads grow, so the prior's ranking is trusted less and untried
+    regions are explored more."""
+
+    def __init__(self, codes: np.ndarray, signal: Signal) -> None:
+        self.codes = codes
+        self.signal = signal
+        self.scale, self.noise = 1.0, 1e-2
+        self.rows: np.ndarray = np.zeros(0, dtype=int)
+        self._alpha: np.ndarray = np.zeros(0)
+        self._chol: np.ndarray = np.zeros((0, 0))
+
+    def _kernel(self, shared: np.ndarray) -> np.ndarray:
+        d = self.codes.shape[1]
+        s = self.signal
+        return (
+            s.bias
+            + self.scale * s.additive * shared / d
+            + self.scale * s.interaction * shared * (shared - 1) / max(1, d * (d - 1))
+        )
+
+    def _shared(self, rows: np.ndarray, other: np.ndarray) -> np.ndarray:
+        """Choices (absent dimensions included) candidate ``other`` shares with each row."""
+        return np.asarray(
+            (self.codes[other][:, None, :] == self.codes[rows][None, :, :]).sum(axis=2),
+            dtype=float,
+        )
+
+    def fit(self, rows: Sequence[int], y: Sequence[float]) -> None:
+        self.rows = np.asarray(rows, dtype=int)
+        target = np.asarray(y, dtype=float)
+        shared = self._shared(self.rows, self.rows)
+        if len(self.rows) >= _FIT_AFTER:
+            best = -math.inf
+            for scale in self.signal.scales:
+                for noise in _NOISES:
+                    self.scale, self.noise = scale, noise
+                    score = self._log_likelihood(shared, target)
+                    if score > best:
+                        best, choice = score, (scale, noise)
+            self.scale, self.noise = choice
+        self._factor(shared)
+        self.refit_targets(target)
+
+    def _factor(self, shared: np.ndarray) -> None:
+        k = self._kernel(shared) + self.noise * np.eye(len(self.rows))
+        self._chol = np.linalg.cholesky(k) if len(self.rows) else np.zeros((0, 0))
+
+    def _log_likelihood(self, shared: np.ndarray, y: np.ndarray) -> float:
+        self._factor(shared)
+        a = np.linalg.solve(self._chol, y)
+        return float(-0.5 * a @ a - np.log(np.diag(self._chol)).sum())
+
+    def refit_targets(self, y: Sequence[float] | np.ndarray) -> None:
+        """The same kernel on new targets (an OOM's lower bound raised)."""
+        if len(self.rows):
+            a = np.linalg.solve(self._chol, np.asarray(y, dtype=float))
+            self._alpha = np.linalg.solve(self._chol.T, a)
+
+    def mean(self, which: np.ndarray) -> np.ndarray:
+        if not len(self.rows):
+            return np.zeros(len(which))
+        return np.asarray(self._kernel(self._shared(self.rows, which)) @ self._alpha)
+
+    def predict(self) -> tuple[np.ndarray, np.ndarray]:
+        """Posterior mean and variance of the log-correction of every candidate."""
+        n = len(self.codes)
+        prior = self._kernel(np.full(1, float(self.codes.shape[1])))[0]
+        if not len(self.rows):
+            return np.zeros(n), np.full(n, prior)
+        mean = np.zeros(n)
+        var = np.zeros(n)
+        for lo in range(0, n, 4096):
+            which = np.arange(lo, min(n, lo + 4096))
+            k = self._kernel(self._shared(self.rows, which))
+            mean[which] = k @ self._alpha
+            v = np.linalg.solve(self._chol, k.T)
+            var[which] = np.maximum(prior - (v * v).sum(axis=0), 1e-9)
+        return mean, var
+
+
+@dataclass
+class _Model:
+    """What ``_assess`` made of the history, per candidate."""
+
+    done: np.ndarray
+    log_speed: np.ndarray  # corrected prediction (posterior mean)
+    p_fit: np.ndarray
+    penalty: np.ndarray  # > 0: predicted to crash or to break the loss guard
+    incumbent: float | None  # log tokens/s of the best feasible measurement
 
 
 class AutotuneSampler(BaseSampler):
@@ -205,13 +342,11 @@ class AutotuneSampler(BaseSampler):
         budget_bytes: float,
         *,
         seed: int | None = None,
-        ridge_alpha: float = 1.0,
         optimism: float = 0.1,
         loss_tolerance: float = 0.02,
     ) -> None:
         self.candidates = [dict(c) for c in candidates]
         self.budget = float(budget_bytes)
-        self.ridge_alpha = ridge_alpha
         self.optimism = optimism
         self.loss_tolerance = loss_tolerance
         self._index = {config_key(c): i for i, c in enumerate(self.candidates)}
@@ -251,6 +386,18 @@ class AutotuneSampler(BaseSampler):
                     )
         self._codes = codes
         self._monotone = np.array([d in monotone for d in self._dims])
+        # per-dimension value codes (-1: dimension absent) for the GP's shared-choice counts
+        self._hamming = np.full((len(self.candidates), len(self._dims)), -1, dtype=np.int16)
+        for j, d in enumerate(self._dims):
+            seen: dict[str, int] = {}
+            for i, c in enumerate(self.candidates):
+                if d in c:
+                    self._hamming[i, j] = seen.setdefault(repr(c[d]), len(seen))
+        # dimensions with a choice to make: one fixed value (or a value that only comes with
+        # another choice, like checkpoint_every with selective checkpointing) blames nothing
+        self._varied = np.array(
+            [len(set(self._hamming[:, j]) - {-1}) > 1 for j in range(len(self._dims))]
+        )
         self._plans: dict[int, Config] = {}
         self._fallback = RandomSampler(seed=seed)
 
@@ -268,6 +415,19 @@ class AutotuneSampler(BaseSampler):
 
     def plan(self, history: Sequence[Observation]) -> Config | None:
         """The next configuration to measure, or None when every candidate is known."""
+        return self._assess(history)[0]
+
+    def contenders(self, history: Sequence[Observation], within: float = CONTENDER_WITHIN) -> int:
+        """Untried candidates that could still win: predicted (the estimator corrected by the
+        measurements) at least ``1 - within`` of the best feasible measured speed, more likely
+        than not to fit, not predicted to crash or break the loss guard."""
+        _, model = self._assess(history)
+        if model is None or model.incumbent is None:
+            return 0
+        close = model.log_speed >= model.incumbent + math.log(1.0 - within)
+        return int((close & ~model.done & (model.p_fit >= 0.5) & (model.penalty == 0)).sum())
+
+    def _assess(self, history: Sequence[Observation]) -> tuple[Config | None, _Model | None]:
         done = np.zeros(len(self.candidates), dtype=bool)
         peak_rows: list[int] = []
         peak_y: list[float] = []
@@ -297,34 +457,47 @@ class AutotuneSampler(BaseSampler):
                 oom_y.append(math.log(max(o.peak_bytes, self.budget)) - self._log_peak[i])
                 done |= self._implied_oom(i)
 
-        speed_model = _Ridge(self._x.shape[1], self.ridge_alpha)
-        speed_model.fit(self._x[speed_rows], speed_y)
+        if done.all():
+            return None, None
+        speed_model = _HammingGP(self._hamming, SPEED_SIGNAL)
+        speed_model.fit(speed_rows, speed_y)
+        peak_model = _HammingGP(self._hamming, PEAK_SIGNAL)
+        peak_model.fit(peak_rows + oom_rows, peak_y + oom_y)
         # Fit the peak model so that every observed OOM is predicted over the budget: raise
-        # each OOM's target until the fitted model agrees (the ridge shrinks single points).
-        peak_model = _Ridge(self._x.shape[1], self.ridge_alpha)
+        # each OOM's target until the fitted model agrees (a GP smooths single points).
         log_budget = math.log(self.budget)
         for _ in range(20):
-            peak_model.fit(self._x[peak_rows + oom_rows], peak_y + oom_y)
-            low = [
-                n
-                for n, i in enumerate(oom_rows)
-                if self._log_peak[i] + self._x[i] @ peak_model.w <= log_budget
-            ]
+            if not oom_rows:
+                break
+            mean = peak_model.mean(np.array(oom_rows))
+            low = [n for n, i in enumerate(oom_rows) if self._log_peak[i] + mean[n] <= log_budget]
             if not low:
                 break
             for n in low:
                 oom_y[n] += OOM_STEP
-
-        if done.all():
-            return None
-        log_peak = self._log_peak + self._x @ peak_model.w
-        # optimism in the face of uncertainty (LinUCB): among candidates the estimator ranks
-        # alike, prefer choices not yet measured, whose speed correction is still unknown
-        log_speed = (
-            self._log_speed
-            + self._x @ speed_model.w
-            + self.optimism * speed_model.uncertainty(self._x)
-        )
+            peak_model.refit_targets(peak_y + oom_y)
+        peak_mean, peak_var = peak_model.predict()
+        log_peak = self._log_peak + peak_mean
+        # probability that a candidate fits: the budget against the corrected peak's spread
+        p_fit = _normal_cdf((log_budget - log_peak) / np.sqrt(peak_var + peak_model.noise))
+        speed_mean, speed_var = speed_model.predict()
+        log_speed = self._log_speed + speed_mean
+        # constraint-weighted expected improvement (Gardner et al. 2014) in log tokens/s over
+        # the fastest measured configuration that fits and passes the loss guard
+        feasible = [
+            (math.log(o.tokens_per_s), self._index[config_key(o.config)])
+            for o in history
+            if o.status == "ok"
+            and config_key(o.config) in self._index
+            and 0 < o.peak_bytes <= self.budget
+            and o.tokens_per_s > 0
+            and (o.loss_regression is None or o.loss_regression <= self.loss_tolerance)
+        ]
+        spread = np.sqrt(speed_var + self.optimism**2)
+        incumbent = max(feasible)[0] if feasible else float(np.min(log_speed[~done]))
+        z = (log_speed - incumbent) / spread
+        improvement = spread * (z * _normal_cdf(z) + _normal_pdf(z))
+        acquisition = np.log(np.maximum(improvement, 1e-300)) + np.log(np.maximum(p_fit, 1e-300))
         # which lossy choices break the loss guard: a ridge (no bias) on the measured relative
         # regressions, so bf16 is not blamed for what Adafactor did in the same trial
         penalty = np.zeros(len(self.candidates))
@@ -335,30 +508,59 @@ class AutotuneSampler(BaseSampler):
             predicted = self._x[:, self._lossy] @ w
             penalty = (predicted > self.loss_tolerance).astype(float)
         penalty += self._crash_penalty(history)
-        fits = (log_peak <= log_budget) & ~done
-        if fits.any():
-            # fewest loss-breaking or crashing choices first, then the fastest
-            order = np.lexsort((-log_speed, penalty))
-            best = order[fits[order]][0]
+        model = _Model(done, log_speed, p_fit, penalty, max(feasible)[0] if feasible else None)
+        candidates = ~done
+        if (p_fit[candidates] >= MIN_FIT_PROBABILITY).any():
+            candidates &= p_fit >= MIN_FIT_PROBABILITY
+            # every other trial a local step: the best acquisition among the incumbent's
+            # neighbours (a trust region, as TuRBO / CASMOPOLITAN do for categorical spaces),
+            # so a good configuration is improved choice by choice whatever the model believes
+            measured = int(done.sum())
+            if feasible and measured % 2 == 0:
+                near = (self._hamming != self._hamming[max(feasible)[1]])[:, self._varied].sum(1)
+                local = candidates & (near <= LOCAL_RADIUS)
+                # unless every neighbour is hopeless next to the best candidate elsewhere
+                best_here = acquisition[local].max() if local.any() else -np.inf
+                if best_here >= acquisition[candidates].max() - LOCAL_MARGIN:
+                    candidates = local
+            # fewest loss-breaking or crashing choices first, then the best acquisition
+            order = np.lexsort((-acquisition, penalty))
+            best = order[candidates[order]][0]
         else:
             best = int(np.argmin(np.where(done, np.inf, log_peak)))
-        return self.candidates[int(best)]
+        return self.candidates[int(best)], model
 
     def _crash_penalty(self, history: Sequence[Observation]) -> np.ndarray:
-        """1 for candidates predicted to crash: a ridge (no bias) of crashed (1) / ran (0) on
-        the choices, so a combination that crashed (flash-attention in fp32) is tried last
-        while each of its choices, seen running elsewhere, is not blamed alone."""
-        rows, y = [], []
+        """1 for candidates predicted to crash. A crash is blamed on one choice or one pair of
+        choices of the crashed configuration (flash-attention with fp32), never on one seen
+        together in a configuration that ran (ok or OOM); a candidate's chance to crash like it
+        is the share of those suspects it contains, and over ``CRASH_THRESHOLD`` it is tried
+        last. So a near-copy of a crash waits while what shares only a few of its choices does
+        not, and each run narrows the suspects down."""
+        ran, crashed = [], []
         for o in history:
             i = self._index.get(config_key(o.config))
-            if i is not None and o.status in ("ok", "oom", "failed"):
-                rows.append(i)
-                y.append(1.0 if o.status == "failed" else 0.0)
-        if not any(y):
-            return np.zeros(len(self.candidates))
-        x = self._x[rows][:, :-1].astype(float)
-        w = np.linalg.solve(x.T @ x + CRASH_RIDGE_ALPHA * np.eye(x.shape[1]), x.T @ np.array(y))
-        return np.asarray(self._x[:, :-1] @ w > CRASH_THRESHOLD, dtype=float)
+            if i is not None and o.status in ("ok", "oom"):
+                ran.append(i)
+            elif i is not None and o.status == "failed":
+                crashed.append(i)
+        penalty = np.zeros(len(self.candidates))
+        codes = self._hamming
+        for f in crashed:
+            present = (codes[f] >= 0) & self._varied
+            # suspects: the crash's single choices (diagonal) and pairs, less those that ran
+            suspect = np.outer(present, present)
+            for r in ran:
+                same = codes[r] == codes[f]
+                suspect &= ~np.outer(same, same)
+            total = np.triu(suspect).sum()
+            if total == 0:
+                continue  # every part of it ran elsewhere: a crash no combination explains
+            same = (codes == codes[f]).astype(float)
+            upper = np.triu(suspect).astype(float)
+            share = np.einsum("ij,jk,ik->i", same, upper, same) / total
+            penalty = np.maximum(penalty, share)
+        return np.asarray(penalty > CRASH_THRESHOLD, dtype=float)
 
     # --- the Optuna sampler interface ------------------------------------------------------------
 
@@ -464,3 +666,13 @@ def analytical_predictor(
         return float(est.peak_bytes), float(est.tokens_per_s)
 
     return predict
+
+
+def record_contenders(study: optuna.Study) -> None:
+    """Store with the study how many untried configurations could still win (``contenders``),
+    when its sampler is autotune's; the console's answer and ``show --json`` read it."""
+    sampler = study.sampler
+    if not isinstance(sampler, AutotuneSampler):
+        return
+    count = sampler.contenders(observations(study))
+    study.set_user_attr(CONTENDERS_ATTR, {"within": CONTENDER_WITHIN, "count": count})

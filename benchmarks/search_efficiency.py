@@ -52,6 +52,7 @@ from benchmarks.realities.core import (
     Config,
     Reality,
     interaction_reality,
+    misled_reality,
     table_reality,
 )
 from trials.spec import TrialResult, TrialSpec
@@ -383,42 +384,62 @@ def interaction_space() -> SearchSpace:
 _PRIOR: dict[Any, tuple[float, float]] = {}
 
 
-def interactions(seed: int) -> Reality:
+def interaction_prior(c: Config) -> tuple[float, float]:
+    """The analytical estimator's (peak, tokens/s) of llama-7b on 8x A100 40GB (cached)."""
+    key = tuple(sorted((k, repr(v)) for k, v in c.items()))
+    if key not in _PRIOR:
+        entry = REGISTRY[INTERACTION_MODEL]
+        e = AnalyticalEstimator().estimate(
+            entry.config,
+            c,
+            seq_len=entry.seq_len,
+            global_batch_size=entry.global_batch_size,
+            nproc=INTERACTION_NPROC,
+            gpu=gpu_spec(INTERACTION_GPU),
+        )
+        _PRIOR[key] = (float(e.peak_bytes), float(e.tokens_per_s))
+    return _PRIOR[key]
+
+
+def interaction_settings() -> dict[str, Any]:
     entry = REGISTRY[INTERACTION_MODEL]
-    space = interaction_space()
-    gpu = gpu_spec(INTERACTION_GPU)
-    est = AnalyticalEstimator()
+    return {
+        "model": INTERACTION_MODEL,
+        "model_config": entry.config,
+        "seq_len": entry.seq_len,
+        "global_batch_size": entry.global_batch_size,
+        "nproc": INTERACTION_NPROC,
+        "gpu": INTERACTION_GPU,
+    }
 
-    def predict(c: Config) -> tuple[float, float]:
-        key = tuple(sorted((k, repr(v)) for k, v in c.items()))
-        if key not in _PRIOR:
-            e = est.estimate(
-                entry.config,
-                c,
-                seq_len=entry.seq_len,
-                global_batch_size=entry.global_batch_size,
-                nproc=INTERACTION_NPROC,
-                gpu=gpu,
-            )
-            _PRIOR[key] = (float(e.peak_bytes), float(e.tokens_per_s))
-        return _PRIOR[key]
 
+INTERACTION_LIMITS = (
+    "synthetic: the analytical model (on the target GPU) times log-normal main effects, "
+    "pairwise interaction terms and noise, with 4 crashing pairs of choices per seed"
+)
+
+
+def interactions(seed: int) -> Reality:
     return interaction_reality(
         "interactions: llama-7b on 8x A100 40GB (seed's own draw)",
-        space,
-        predict,
+        interaction_space(),
+        interaction_prior,
         INTERACTION_BUDGET,
         seed,
-        {
-            "model": INTERACTION_MODEL,
-            "model_config": entry.config,
-            "seq_len": entry.seq_len,
-            "global_batch_size": entry.global_batch_size,
-            "nproc": INTERACTION_NPROC,
-            "gpu": INTERACTION_GPU,
-        },
-        "synthetic: the analytical model (on the target GPU) times log-normal main effects, "
-        "pairwise interaction terms and noise, with 4 crashing pairs of choices per seed",
+        interaction_settings(),
+        INTERACTION_LIMITS,
+    )
+
+
+def misled(seed: int) -> Reality:
+    return misled_reality(
+        "misled: llama-7b on 8x A100 40GB, a choice the estimator ranks last runs 2.5x faster",
+        interaction_space(),
+        interaction_prior,
+        INTERACTION_BUDGET,
+        seed,
+        interaction_settings(),
+        INTERACTION_LIMITS,
     )
 
 
@@ -426,6 +447,7 @@ REALITIES: dict[str, Callable[[int], Reality]] = {
     "measured": measured,
     "traced": traced,
     "interactions": interactions,
+    "misled": misled,
 }
 
 
@@ -450,6 +472,23 @@ def fmt_time(s: float) -> str:
     return f"{s / 3600:.1f} h" if s >= 3600 else f"{s / 60:.0f} min"
 
 
+#: the trials after which the regret is reported: the study's default, and twice it
+REGRET_AT = (12, 24)
+
+
+def regret_after(search: Search, n: int) -> float:
+    """1 - (the fastest feasible configuration among the first ``n`` trials) / the optimum."""
+    r = search.reality
+    best = max(
+        (r.outcome(c).tokens_per_s for c, _, _ in search.runs[:n] if r.feasible(c)), default=0.0
+    )
+    return 1.0 - best / r.optimum_speed
+
+
+def fmt_regret(xs: list[float]) -> str:
+    return f"{100 * statistics.median(xs):.1f}% / {100 * percentile(xs, 0.9):.1f}%"
+
+
 def summarise(name: str, searches: list[Search], grid: int, cap: int) -> tuple[str, float]:
     counts = [float(s.found_at) if s.found_at else float(cap + 1) for s in searches]
     med, p90 = statistics.median(counts), percentile(counts, 0.9)
@@ -457,12 +496,30 @@ def summarise(name: str, searches: list[Search], grid: int, cap: int) -> tuple[s
     fails = statistics.median([sum(st == "failed" for _, st, _ in s.spent()) for s in searches])
     wall = statistics.median([sum(c for _, _, c in s.spent()) for s in searches])
     missed = sum(s.found_at is None for s in searches)
+    regrets = " | ".join(fmt_regret([regret_after(s, n) for s in searches]) for n in REGRET_AT)
     row = (
         f"| {name} | {fmt_trials(med, cap)} | {fmt_trials(p90, cap)} | "
-        f"{100 * min(med, grid) / grid:.1f}% | {ooms:g} | {fails:g} | {fmt_time(wall)} | "
-        f"{missed}/{len(searches)} |"
+        f"{100 * min(med, grid) / grid:.1f}% | {regrets} | {ooms:g} | {fails:g} | "
+        f"{fmt_time(wall)} | {missed}/{len(searches)} |"
     )
     return row, med
+
+
+def tail_seeds(searches: list[Search], cap: int) -> list[str]:
+    """The seeds at or beyond the 90th percentile of trials, with what sets them apart: how
+    many configurations lie within 2% of the optimum, and the optimum itself."""
+    counts = [s.found_at or cap + 1 for s in searches]
+    p90 = percentile([float(c) for c in counts], 0.9)
+    lines = []
+    near = [sum(s.reality.hit(c) for c in s.reality.grid) for s in searches]
+    for seed, (s, n, k) in enumerate(zip(searches, counts, near, strict=True)):
+        if n >= p90:
+            best, _ = s.reality.optimum()
+            lines.append(
+                f"- seed {seed}: {fmt_trials(n, cap)} trials; {k} configuration(s) within 2% "
+                f"of the optimum (median over seeds {statistics.median(near):g}); optimum {best}"
+            )
+    return lines
 
 
 def cap_for(peer: str, reality: Reality, cap: int) -> int:
@@ -525,10 +582,11 @@ def main(argv: list[str] | None = None) -> int:
             f"optimum (seed 0): {speed:,.0f} tok/s {best}\nlimits: {first.limits}\n"
         )
         print(
-            "| peer | median trials | p90 | median % of grid | OOMs (median) | "
-            "crashes (median) | wall-clock (median) | not reached |"
+            "| peer | median trials | p90 | median % of grid | "
+            + " | ".join(f"regret after {n} (median / p90)" for n in REGRET_AT)
+            + " | OOMs (median) | crashes (median) | wall-clock (median) | not reached |"
         )
-        print("|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         medians = {}
         for p in peers:
             row, med = summarise(p, results[p], len(first.grid), cap_for(p, first, args.cap))
@@ -540,6 +598,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"\nbest peer: {best_peer[1]} ({best_peer[0]:g}); its median / autotune's: "
                 f"{best_peer[0] / medians['autotune']:.2f}x"
             )
+        if "autotune" in results:
+            print("\nautotune's tail seeds (at or beyond its 90th percentile of trials):")
+            print("\n".join(tail_seeds(results["autotune"], cap_for("autotune", first, args.cap))))
         sys.stdout.flush()
     return 0
 

@@ -115,17 +115,23 @@ SMALL = SearchSpace.from_dict(
 )
 
 
+def small_predict(c: dict) -> tuple[float, float]:
+    entry = REGISTRY["small-llama"]
+    e = AnalyticalEstimator().estimate(
+        entry.config,
+        c,
+        seq_len=entry.seq_len,
+        global_batch_size=16,
+        nproc=2,
+        gpu=gpu_spec("rtx4090"),
+    )
+    return float(e.peak_bytes), float(e.tokens_per_s)
+
+
 def small_reality(seed: int):  # type: ignore[no-untyped-def]
     entry = REGISTRY["small-llama"]
     space = SMALL.resolve(entry.global_batch_size, se.cuda_hardware(2))
-    gpu = gpu_spec("rtx4090")
-
-    def predict(c: dict) -> tuple[float, float]:
-        e = AnalyticalEstimator().estimate(
-            entry.config, c, seq_len=entry.seq_len, global_batch_size=16, nproc=2, gpu=gpu
-        )
-        return float(e.peak_bytes), float(e.tokens_per_s)
-
+    predict = small_predict
     settings = {
         "model": "small-llama",
         "model_config": entry.config,
@@ -321,3 +327,67 @@ def test_a_pass_folds_into_its_row_or_stops_the_generator() -> None:
         measure.merge(row, {"zero_stage": 0}, result(250.0, peak=101))
     with pytest.raises(RuntimeError, match="did not reproduce"):
         measure.merge(row, {"zero_stage": 0}, result(250.0, loss=2.001))
+
+
+def test_regret_is_the_best_feasible_found_against_the_brute_force_optimum() -> None:
+    """``regret_after(search, n)``: 1 - (fastest configuration among the first n trials that
+    fits and ran) / (fastest such configuration of the whole grid), both by hand here from the
+    outcome table; the random peer's trials in a fixed order."""
+    reality = small_reality(5)
+    search = se.PEERS["random"](reality, 5, len(reality.grid))
+    optimum = max(
+        o.tokens_per_s
+        for o in reality.outcomes.values()
+        if o.status == "ok" and o.peak_bytes <= reality.budget_bytes
+    )
+    for n in range(1, len(search.runs) + 1):
+        found = [
+            reality.outcome(c).tokens_per_s
+            for c, _, _ in search.runs[:n]
+            if reality.outcome(c).status == "ok"
+            and reality.outcome(c).peak_bytes <= reality.budget_bytes
+        ]
+        assert se.regret_after(search, n) == pytest.approx(1 - max(found, default=0.0) / optimum)
+    assert se.regret_after(search, len(search.runs)) <= 0.02  # it ends at the optimum
+
+
+def test_the_misled_reality_rewards_what_the_prior_ranks_last() -> None:
+    """The misled reality: in the dimension drawn for the seed, the choice with the lowest mean
+    predicted log tokens/s (averaged here by hand over the grid) runs 2.5x faster than the same
+    configuration in the interaction reality, and the optimum takes it."""
+    from benchmarks.realities.core import misled_reality
+
+    entry = REGISTRY["small-llama"]
+    base = small_reality(2)
+    predict = small_predict
+    settings = {
+        "model": "small-llama",
+        "model_config": entry.config,
+        "seq_len": entry.seq_len,
+        "global_batch_size": entry.global_batch_size,
+        "nproc": 2,
+    }
+    r = misled_reality("m", base.space, predict, base.budget_bytes, 2, settings, "test")
+    plain = interaction_reality("p", base.space, predict, base.budget_bytes, 2, settings, "test")
+    dim, value = r.limits.split("rewarded: ")[1].split(" x")[0].split("=")
+    means: dict[str, list[float]] = {}
+    for c in r.grid:
+        if dim in c:
+            means.setdefault(repr(c[dim]), []).append(math.log(predict(c)[1]))
+    assert value == min(means, key=lambda v: statistics.mean(means[v]))
+    for c in r.grid:
+        a, b = r.outcome(c), plain.outcome(c)
+        if repr(c.get(dim)) == value and a.status == "ok":
+            assert a.tokens_per_s == pytest.approx(2.5 * b.tokens_per_s)
+        else:
+            assert a.tokens_per_s == b.tokens_per_s
+    assert repr(r.optimum()[0][dim]) == value
+
+
+def test_the_report_has_regret_columns_and_tail_seeds(capsys: pytest.CaptureFixture[str]) -> None:
+    assert se.main(["--realities", "traced", "--seeds", "2", "--peers", "autotune,grid"]) == 0
+    out = capsys.readouterr().out
+    assert "regret after 12 (median / p90) | regret after 24 (median / p90)" in out
+    row = next(line for line in out.splitlines() if line.startswith("| autotune |"))
+    assert row.count("%") >= 5  # % of grid, and two medians and two p90s of regret
+    assert "autotune's tail seeds" in out and "- seed " in out

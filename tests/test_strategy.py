@@ -97,8 +97,9 @@ def test_finds_the_true_optimum_despite_a_biased_prior() -> None:
             break
     assert history[-1].config == best
     assert len(history) <= 0.1 * len(GRID)
-    # once fp16 was measured slow, it is not measured again while faster candidates remain
-    assert sum(o.status == "ok" and o.config["precision"] == "fp16" for o in history) <= 1
+    # fp16 measured slow is measured at most once more (the first fp16 trial may come with
+    # other untried choices that share the blame) while faster candidates remain
+    assert sum(o.status == "ok" and o.config["precision"] == "fp16" for o in history) <= 2
 
 
 def test_drives_a_real_optuna_study_and_respects_enqueued_trials() -> None:

@@ -6,6 +6,7 @@ explicitly for the predictor."""
 from __future__ import annotations
 
 import math
+from statistics import NormalDist
 from typing import Any
 
 import numpy as np
@@ -28,8 +29,6 @@ B = {"a": "x", "b": "v"}
 T = {"a": "y", "b": "v"}
 Q = {"a": "y", "b": "u"}
 FEATURES = [("a", "x"), ("a", "y"), ("b", "u"), ("b", "v")]
-#: the sampler's ridge: strength alpha on every one-hot column, 1e-3 on the shared bias
-BIAS_PENALTY = 1e-3
 
 
 def sampler_of(
@@ -43,116 +42,139 @@ def sampler_of(
 
 
 def onehot(c: Config, features: list[tuple[str, str]] = FEATURES) -> np.ndarray:
-    """The configuration's one-hot row with the bias (1) last."""
-    return np.array([1.0 if c.get(k) == v else 0.0 for k, v in features] + [1.0])
+    return np.array([1.0 if c.get(k) == v else 0.0 for k, v in features])
 
 
-def ridge(rows: list[Config], y: list[float], alpha: float) -> tuple[np.ndarray, np.ndarray]:
-    """min |X w - y|^2 + alpha |w_onehot|^2 + 1e-3 w_bias^2, solved as the least squares of the
-    augmented system [X; sqrt(penalty)] w = [y; 0]; and (X^T X + penalty)^-1 for the spread."""
-    x = np.array([onehot(c) for c in rows]).reshape(len(rows), len(FEATURES) + 1)
-    penalty = np.array([alpha] * len(FEATURES) + [BIAS_PENALTY])
-    augmented = np.vstack([x, np.diag(np.sqrt(penalty))])
-    target = np.concatenate([np.asarray(y, dtype=float), np.zeros(len(penalty))])
-    w = np.linalg.lstsq(augmented, target, rcond=None)[0]
-    return w, np.linalg.inv(augmented.T @ augmented)
+#: the sampler's prior spreads (bias, additive, interaction), restated: peak and speed
+PEAK = (0.25, 0.1, 0.02)
+SPEED = (1.0, 1.0, 0.3)
+NOISE = 1e-2  # the measurement noise's variance before the spreads are fitted
+Z_FIT = NormalDist().inv_cdf(0.2)  # a candidate is proposed while P(fit) >= 0.2
+
+
+def features(c: Config, spreads: tuple[float, float, float]) -> np.ndarray:
+    """Weight-space features whose inner products are the sampler's kernel: a bias, each
+    choice scaled by sqrt(additive / D), each ordered pair of choices by
+    sqrt(interaction / (D (D - 1))), with D = 2 dimensions here."""
+    bias, additive, interaction = spreads
+    d = 2
+    x = onehot(c)
+    pairs = [
+        x[i] * x[j]
+        for i in range(len(x))
+        for j in range(len(x))
+        if FEATURES[i][0] != FEATURES[j][0]
+    ]
+    return np.concatenate(
+        [
+            [math.sqrt(bias)],
+            x * math.sqrt(additive / d),
+            np.array(pairs) * math.sqrt(interaction / (d * (d - 1))),
+        ]
+    )
+
+
+def posterior(
+    rows: list[Config], y: list[float], c: Config, spreads: tuple[float, float, float]
+) -> tuple[float, float]:
+    """Bayesian linear regression on ``features`` (weights ~ N(0, I), noise NOISE): the mean
+    and variance of the log-correction at ``c``, the weight-space twin of the sampler's GP."""
+    phi = np.array([features(r, spreads) for r in rows]).reshape(len(rows), -1)
+    f = features(c, spreads)
+    if not rows:
+        return 0.0, float(f @ f)
+    a = phi.T @ phi / NOISE + np.eye(len(f))
+    cov = np.linalg.inv(a)
+    mean = float(f @ cov @ phi.T @ np.asarray(y) / NOISE)
+    return mean, float(f @ cov @ f)
 
 
 # --- the peak and speed corrections ------------------------------------------------------------
 
 
-def _peak_boundary(alpha: float, **kw: Any) -> None:
+def test_a_candidate_is_proposed_while_it_fits_with_probability_one_in_five() -> None:
+    """The fast untried T is proposed while P(its corrected log peak <= log budget) >= 0.2,
+    under the GP's posterior on log(measured/prior) after A and B (recomputed here in weight
+    space): with the budget a hair above that boundary T is proposed, a hair below the slow
+    small Q is."""
     measured = [(A, 100e6, 150e6), (B, 120e6, 144e6)]  # (config, prior peak, measured peak)
-    w, _ = ridge([A, B], [math.log(m / p) for _, p, m in measured], alpha)
-    corrected_t = 150e6 * math.exp(onehot(T) @ w)
+    y = [math.log(m / p) for _, p, m in measured]
+    mean, var = posterior([A, B], y, T, PEAK)
+    boundary = math.exp(math.log(150e6) + mean + Z_FIT * math.sqrt(var + NOISE))
     history = [Observation(c, "ok", m, 1000.0) for c, _, m in measured]
     for scale, expected in ((1 + 1e-7, T), (1 - 1e-7, Q)):
         rows = [(A, 100e6, 1000.0), (B, 120e6, 1000.0), (T, 150e6, 5000.0), (Q, 1e6, 10.0)]
-        sampler = sampler_of(rows, corrected_t * scale, **kw)
-        assert sampler.plan(history) == expected, (alpha, scale)
+        assert sampler_of(rows, boundary * scale).plan(history) == expected, scale
 
 
-def test_the_corrected_peak_is_the_prior_times_the_ridge_fit_of_the_measured_ratios() -> None:
-    """A configuration fits when prior peak x exp(ridge prediction of log(measured/prior)) is
-    within the budget: with the budget a hair above the corrected peak of the fast untried T it
-    is proposed, a hair below it the slow small Q is (the fit recomputed here by least squares,
-    with the default strength 1 and with a user's)."""
-    _peak_boundary(1.0)
-    _peak_boundary(3.0, ridge_alpha=3.0)
+def expected_improvement(mean: float, var: float, incumbent: float) -> float:
+    sd = math.sqrt(var + 0.1**2)  # the default optimism: a floor on the spread
+    z = (mean - incumbent) / sd
+    return sd * (z * NormalDist().cdf(z) + NormalDist().pdf(z))
 
 
-def _speed_boundary(
-    alpha: float, bonus_scale: float, measured: list[tuple[Config, float, float]], **kw: Any
-) -> None:
-    """``measured``: (config, prior, measured tokens/s) of A and B (priors 1000 and 2000)."""
-    w, a_inv = ridge([c for c, _, _ in measured], [math.log(m / p) for _, p, m in measured], alpha)
-
-    def bonus(c: Config) -> float:
-        x = onehot(c)
-        return float(x @ w + bonus_scale * math.sqrt(x @ a_inv @ x))
-
-    tie = 1000.0 * math.exp(bonus(T) - bonus(Q))  # Q's prior speed at which Q and T tie
-    history = [Observation(c, "ok", 1e6, m) for c, _, m in measured]
-    for scale, expected in ((1 + 1e-7, Q), (1 - 1e-7, T)):
-        rows = [(A, 1e6, 1000.0), (B, 1e6, 2000.0), (T, 1e6, 1000.0), (Q, 1e6, tie * scale)]
-        sampler = sampler_of(rows, 1e9, **kw)
-        assert sampler.plan(history) == expected, (alpha, bonus_scale, scale)
-
-
-def test_the_corrected_speed_is_the_ridge_fit_plus_the_optimism_bonus() -> None:
-    """The untried candidate with the highest log prior speed + ridge prediction of
-    log(measured/prior) + optimism x posterior spread (LinUCB) is proposed: with Q's prior set a
-    hair above or below the speed at which it ties with T, Q or T is (recomputed here)."""
+def test_the_next_candidate_is_the_best_expected_improvement_in_log_speed() -> None:
+    """Among candidates that surely fit, the one with the highest expected improvement of log
+    tokens/s over the fastest measured one is proposed, under the GP's posterior on
+    log(measured/prior) (recomputed here in weight space): Q's prior speed set a hair above or
+    below the speed at which Q and T tie (bisection on the formula), Q or T is."""
     measured = [(A, 1000.0, 500.0), (B, 2000.0, 1600.0)]
-    _speed_boundary(1.0, 0.1, measured)
-    _speed_boundary(2.5, 0.5, measured, ridge_alpha=2.5, optimism=0.5)
-    # a strong ridge and A measured twice: spreads well below 1, and T's unlike Q's
-    measured = [(A, 1000.0, 500.0), (A, 1000.0, 450.0), (B, 2000.0, 1600.0)]
-    _speed_boundary(10.0, 0.5, measured, ridge_alpha=10.0, optimism=0.5)
+    y = [math.log(m / p) for _, p, m in measured]
+    incumbent = math.log(1600.0)
+    t_mean, t_var = posterior([A, B], y, T, SPEED)
+    q_mean, q_var = posterior([A, B], y, Q, SPEED)
+    target = expected_improvement(math.log(1000.0) + t_mean, t_var, incumbent)
+    lo, hi = 1e-3, 1e9
+    for _ in range(200):
+        mid = math.sqrt(lo * hi)
+        if expected_improvement(math.log(mid) + q_mean, q_var, incumbent) < target:
+            lo = mid
+        else:
+            hi = mid
+    history = [Observation(c, "ok", 1e6, m) for c, _, m in measured]
+    for scale, expected in ((1 + 1e-6, Q), (1 - 1e-6, T)):
+        rows = [(A, 1e6, 1000.0), (B, 1e6, 2000.0), (T, 1e6, 1000.0), (Q, 1e6, lo * scale)]
+        assert sampler_of(rows, 1e9).plan(history) == expected, scale
+
+
+def test_contenders_are_untried_candidates_predicted_within_ten_percent_of_the_best() -> None:
+    """``contenders``: untried candidates whose corrected speed (prior x exp(GP mean), the
+    posterior recomputed here in weight space) is at least 90% of the best measured one's,
+    that surely fit: with Q's prior a hair above or below the speed that puts it at 90%, Q
+    counts or does not; T counts as the oracle says."""
+    measured = [(A, 1000.0, 500.0), (B, 2000.0, 1600.0)]
+    y = [math.log(m / p) for _, p, m in measured]
+    threshold = math.log(0.9 * 1600.0)
+    t_mean, _ = posterior([A, B], y, T, SPEED)
+    q_mean, _ = posterior([A, B], y, Q, SPEED)
+    t_counts = int(math.log(1000.0) + t_mean >= threshold)
+    q_prior = math.exp(threshold - q_mean)
+    history = [Observation(c, "ok", 1e6, m) for c, _, m in measured]
+    for scale, q_counts in ((1 + 1e-6, 1), (1 - 1e-6, 0)):
+        rows = [(A, 1e6, 1000.0), (B, 1e6, 2000.0), (T, 1e6, 1000.0), (Q, 1e6, q_prior * scale)]
+        assert sampler_of(rows, 1e9).contenders(history) == t_counts + q_counts, scale
+    # nothing feasible measured yet: nothing to compare with
+    assert sampler_of(rows, 1e9).contenders([]) == 0
 
 
 def test_an_oom_is_a_lower_bound_raised_until_predicted_over_the_budget() -> None:
-    """An OOM's measured peak is a lower bound, and the peak model is corrected until it
-    predicts the OOM over the budget: a configuration with the same prior peak as the OOM and
-    sharing its choice ``a`` is then over the budget too, though a single fit of the bound (the
-    ridge shrinks it) would leave it a hair under. By hand: with one row (two choices and the
-    bias) the fit predicts the OOM at 1002/1003 of its target log 2 (under the budget) and B at
-    1001/1003 of it; one 10% raise (target log 2.2) puts both over."""
+    """An OOM's peak is a lower bound, raised by 10% steps until the GP predicts the OOM over
+    the budget; B, sharing the OOM's choice ``a`` (prior: 3/4 of the budget), then fits with
+    a probability (recomputed here) under 0.2 and the slow small Q is proposed, though with
+    the bound taken as measured B would still be (P >= 0.2)."""
     budget = 1e8
-    rows = [(A, budget / 2, 1000.0), (B, budget / 2, 9000.0), (Q, budget / 100, 10.0)]
-    sampler = sampler_of(rows, budget)
+    rows = [(A, budget / 2, 1000.0), (B, 0.75 * budget, 9000.0), (Q, budget / 100, 10.0)]
+    target = math.log(2.0)
+    while posterior([A], [target], A, PEAK)[0] + math.log(budget / 2) <= math.log(budget):
+        target += math.log(1.1)
+
+    def p_fit(t: float) -> float:
+        mean, var = posterior([A], [t], B, PEAK)
+        return NormalDist().cdf((math.log(1 / 0.75) - mean) / math.sqrt(var + NOISE))
+
+    assert p_fit(target) < 0.2 <= p_fit(math.log(2.0))
     for peak in (budget, 0.0):  # the peak it reached, or none recorded: the budget is the bound
-        assert sampler.plan([Observation(A, "oom", peak, 0.0)]) == Q
-
-
-def test_an_oom_predicted_exactly_at_the_budget_is_raised() -> None:
-    """An OOM predicted exactly at the budget is not yet over it: its bound is raised. With
-    1-byte priors and budget (log 1 = 0 exactly) the OOM's first target is 0 and the first fit
-    predicts it exactly at the budget; after the raise the shared bias puts every untried
-    configuration over the budget, so the smallest predicted peak, T (sharing no choice with
-    the OOM), is proposed rather than the faster B (sharing ``a``)."""
-    rows = [(A, 1.0, 1.0), (B, 1.0, 9.0), (T, 1.0, 2.0)]
-    assert sampler_of(rows, 1.0).plan([Observation(A, "oom", 1.0, 0.0)]) == T
-
-
-def test_the_oom_correction_gives_up_after_twenty_fits() -> None:
-    """An OOM the other measurements contradict (the same configuration measured fitting 100
-    times) is raised at most 19 times by 10% (20 fits) and the last fit is kept: the corrected
-    peak of another configuration is the prior times the ridge fit with that target."""
-    p = 1e6
-    oom_target = math.log(10.0) + 19 * math.log(1.1)  # measured 10x its prior when it ran out
-    fits = [A] * 101
-    w, _ = ridge(fits, [0.0] * 100 + [oom_target], 1.0)
-    corrected_t = 1.5 * p * math.exp(onehot(T) @ w)
-    history = [Observation(A, "ok", p, 1000.0) for _ in range(100)]
-    history.append(Observation(A, "oom", 10 * p, 0.0))
-    for scale, expected in ((1 + 1e-7, T), (1 - 1e-7, Q)):
-        budget = corrected_t * scale
-        for raises in range(20):  # every fit still predicted the OOM within the budget
-            wk, _ = ridge(fits, [0.0] * 100 + [math.log(10.0) + raises * math.log(1.1)], 1.0)
-            assert math.log(p) + onehot(A) @ wk <= math.log(budget)
-        rows = [(A, p, 1000.0), (T, 1.5 * p, 5000.0), (Q, p / 100, 10.0)]
-        assert sampler_of(rows, budget).plan(history) == expected, scale
+        assert sampler_of(rows, budget).plan([Observation(A, "oom", peak, 0.0)]) == Q
 
 
 def test_unmeasured_peak_or_speed_moves_no_model() -> None:
@@ -178,10 +200,11 @@ def test_a_tiny_positive_measurement_is_a_measurement() -> None:
 
 
 def test_priors_are_compared_as_given_down_to_one_byte_and_below_one_token() -> None:
-    """The prior peak is floored at 1 byte and the prior speed at 1e-12 tokens/s only: a 1.5-byte
-    peak does not fit a 1.2-byte budget (the 1-byte one is proposed), and 0.5 tokens/s ranks
-    above 0.25 tokens/s."""
-    peaks = [(A, 1.5, 10.0), (B, 1.0, 1.0)]
+    """The prior peak is floored at 1 byte and the prior speed at 1e-12 tokens/s only: a 3-byte
+    peak does not fit a 1.2-byte budget (with nothing measured its chance is
+    Phi(log(1.2/3) / sqrt(0.37 + 0.01)) = 0.07 < 0.2: the 1-byte one is proposed), and 0.5
+    tokens/s ranks above 0.25 tokens/s."""
+    peaks = [(A, 3.0, 10.0), (B, 1.0, 1.0)]
     assert sampler_of(peaks, 1.2).plan([]) == B
     speeds = [(A, 1e6, 0.25), (B, 1e6, 0.5)]
     assert sampler_of(speeds, 1e8).plan([]) == B
@@ -282,29 +305,25 @@ def test_only_a_regression_beyond_the_tolerance_is_penalised() -> None:
 
 
 def test_the_crash_model_counts_oom_trials_as_ran() -> None:
-    """The crash model (ridge 0.5, no bias, threshold 0.5) counts an OOM trial as ran (0): after
-    a crash of (x0, y0, z0), (x0, y0, z1) shares two of its three choices and alone would be
-    predicted to crash (2/3.5 = 0.57); an OOM of (x0, y1, z1) ran, which brings it to
-    0.44 (recomputed below), so it is proposed (the fastest)."""
-    feats = [(d, v) for d in "xyz" for v in ("0", "1")]
+    """A crash of (w0, x0, y0, z0) is blamed on one of its 4 choices or 6 pairs; a candidate
+    sharing more than half of those suspects waits. (w0, x0, y0, z1) contains 3 choices and 3
+    pairs: 6/10 > 1/2, it waits. An OOM of (w0, x0, y1, z1) ran, clearing w0, x0 and (w0, x0):
+    the candidate then contains y0, (w0, y0), (x0, y0), 3 of the 7 left (< 1/2), and as the
+    fastest it is proposed. Counted by hand here."""
 
-    def cfg(x: str, y: str, z: str) -> Config:
-        return {"x": x, "y": y, "z": z}
+    def cfg(w: str, x: str, y: str, z: str) -> Config:
+        return {"w": w, "x": x, "y": y, "z": z}
 
-    def row(c: Config) -> np.ndarray:
-        return np.array([1.0 if c[d] == v else 0.0 for d, v in feats])
-
-    crashed, oom, target = cfg("0", "0", "0"), cfg("0", "1", "1"), cfg("0", "0", "1")
-    x = np.array([row(crashed), row(oom)])
-    w = np.linalg.solve(x.T @ x + 0.5 * np.eye(len(feats)), x.T @ np.array([1.0, 0.0]))
-    assert row(target) @ w < 0.5 < row(target) @ row(crashed) / (3 + 0.5)
-    grid = [cfg(a, b, c) for a in "01" for b in "01" for c in "01"]
+    crashed, oom, target = cfg("0", "0", "0", "0"), cfg("0", "0", "1", "1"), cfg("0", "0", "0", "1")
+    grid = [cfg(a, b, c, d) for a in "01" for b in "01" for c in "01" for d in "01"]
     budget = 1e8
     rows = [
         (c, 0.9 * budget if c == oom else 0.3 * budget, 5000.0 if c == target else 1000.0)
         for c in grid
     ]
-    history = [Observation(crashed, "failed", 0.0, 0.0), Observation(oom, "oom", budget, 0.0)]
+    crash = Observation(crashed, "failed", 0.0, 0.0)
+    assert sampler_of(rows, budget).plan([crash]) != target
+    history = [crash, Observation(oom, "oom", budget, 0.0)]
     assert sampler_of(rows, budget).plan(history) == target
 
 

@@ -148,3 +148,22 @@ def test_observations_are_the_finished_records() -> None:
     assert (got[0].peak_bytes, got[0].tokens_per_s, got[0].loss_regression) == (123.0, 4.5, 0.25)
     assert (got[1].peak_bytes, got[1].tokens_per_s, got[1].loss_regression) == (77.0, 0.0, None)
     assert got[2].peak_bytes == 0.0
+
+
+def test_a_configuration_killed_at_the_trial_timeout_is_not_planned_again() -> None:
+    """A trial the runner killed at its timeout (Optuna FAIL, the runner's error) counts as
+    tried: the next plan is the one after it, as if it had been measured running; a trial
+    that failed otherwise in Optuna (its worker died) is planned again."""
+    sampler = AutotuneSampler(GRID, prior, BUDGET)
+    study = _study(sampler)
+    first = sampler.plan([])
+    trial = study.ask()
+    assert _config(study, trial) == first
+    trial.set_user_attr("config", first)
+    trial.set_user_attr("status", "failed")
+    trial.set_user_attr("error", "timed out after 600s")
+    study.tell(trial, state=TrialState.FAIL)
+    assert [o.status for o in observations(study)] == ["timeout"]
+    expected = sampler.plan([Observation(first, "running", 0.0, 0.0)])
+    assert expected != first
+    assert _config(study, study.ask()) == expected

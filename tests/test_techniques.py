@@ -232,10 +232,10 @@ def test_the_strategy_prunes_in_its_memory_order(toy: ToyPad) -> None:
         study.optimize(objective, n_trials=1)
     tried = [t.user_attrs["config"] for t in study.trials]
     assert ooms and all(o["toy_pad"] == "large" for o in ooms)
-    # the first OOM, (full, large, 2), implies (full, large, 8), (off, large, 2) and
-    # (off, large, 8): none of them was run
+    # each OOM of the large pad implies the huge pad's configurations (and those with a bigger
+    # micro-batch or no checkpointing): none of them was run
     implied = [c for c in grid if c not in ooms and any(needs_no_less_memory(c, o) for o in ooms)]
-    assert len(implied) == 3
+    assert implied and all(c["toy_pad"] in ("large", "huge") for c in implied)
     assert not [c for c in implied if c in tried]
 
 

@@ -20,7 +20,7 @@ import json
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -288,3 +288,62 @@ def interaction_reality(
         limits=limits,
         grid=grid,
     )
+
+
+# --- where the estimator's prior is wrong ---------------------------------------------------------
+
+#: how much faster the rewarded choice runs than the estimator believes: enough that the
+#: optimum takes it although the prior ranks it last in its dimension
+MISLED_REWARD = 2.5
+#: dimensions whose worst-ranked choice a seed may reward (each is a real case of an estimator
+#: off by a factor: an eager kernel a compiler fuses, a CPU offload overlapped with compute, a
+#: recomputation hidden under communication, ZeRO-0's all-reduce on a fast fabric)
+MISLED_DIMENSIONS = ("attention", "offload_optimizer", "gradient_checkpointing", "zero_stage")
+
+
+def lowest_ranked_choice(
+    grid: list[Config], predict: Callable[[Config], tuple[float, float]], dim: str
+) -> Any:
+    """The choice of ``dim`` with the lowest mean predicted log tokens/s over the grid."""
+    sums: dict[str, list[float]] = {}
+    values: dict[str, Any] = {}
+    for c in grid:
+        if dim in c:
+            sums.setdefault(repr(c[dim]), []).append(math.log(predict(c)[1]))
+            values[repr(c[dim])] = c[dim]
+    worst = min(sums, key=lambda v: sum(sums[v]) / len(sums[v]))
+    return values[worst]
+
+
+def misled_reality(
+    name: str,
+    space: SearchSpace,
+    predict: Callable[[Config], tuple[float, float]],
+    budget_bytes: float,
+    seed: int,
+    settings: dict[str, Any],
+    limits: str,
+) -> Reality:
+    """``interaction_reality``, plus: the choice the estimator ranks lowest in one dimension
+    (drawn per seed from ``MISLED_DIMENSIONS``) runs ``MISLED_REWARD`` times faster than
+    the rest of the draw says, so the optimum sits where the prior does not look."""
+    base = interaction_reality(name, space, predict, budget_bytes, seed, settings, limits)
+    rng = random.Random(f"misled-{seed}")
+    dims = [d for d in MISLED_DIMENSIONS if any(d in c for c in base.grid)]
+    dim = rng.choice(dims)
+    value = lowest_ranked_choice(base.grid, predict, dim)
+    gbs, seq = base.global_batch_size, base.seq_len
+    for c in base.grid:
+        if c.get(dim) != value:
+            continue
+        key = config_key(c)
+        o = base.outcomes[key]
+        if o.status != "ok":
+            continue
+        speed = o.tokens_per_s * MISLED_REWARD
+        step_s = gbs * seq * base.nproc / speed
+        base.outcomes[key] = replace(
+            o, tokens_per_s=speed, wall_s=SETUP_S + STEPS * step_s, oom_wall_s=SETUP_S + step_s
+        )
+    base.limits = f"{limits}; rewarded: {dim}={value!r} x{MISLED_REWARD:g}"
+    return base
