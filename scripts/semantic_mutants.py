@@ -410,9 +410,10 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "strategy-speed-before-loss-penalty",
         "autotune/strategy.py",
-        "order = np.lexsort((-log_speed, penalty))",
-        "order = np.lexsort((penalty, -log_speed))",
-        "the fastest candidate is proposed before ones whose choices do not break the loss",
+        "order = np.lexsort((-acquisition, penalty))",
+        "order = np.lexsort((penalty, -acquisition))",
+        "the best acquisition is proposed before candidates whose choices do not break the loss "
+        "or crash",
         ("tests/test_strategy_oracles.py",),
     ),
     # --- fidelity classes -----------------------------------------------------------------------
