@@ -813,7 +813,7 @@ def _documents(text: str | None, seq_len: int) -> Documents | None:
         raise UserError(f"--documents: {exc}") from None
     if docs.longest > MAX_SEQ_LEN:
         raise UserError(f"--documents {printable(text)}: documents of more than "
-                        f"{MAX_SEQ_LEN:,} tokens (docs/LIMITS.md)")  # fmt: skip
+                        f"{MAX_SEQ_LEN:,} tokens (docs/guide/limits.md)")  # fmt: skip
     if docs.shortest > seq_len:
         raise UserError(
             f"--documents {text}: the shortest document is longer than the sequence ({seq_len})"

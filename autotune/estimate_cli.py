@@ -75,7 +75,7 @@ def breakdown_table(rows: list[tuple[str, Estimate]], budget: int, title: str) -
 
 
 #: the parts of the host memory prediction, as ``states.model_states`` names them
-#: limits of one input (docs/LIMITS.md): GPUs of one plan, tokens of one sequence or
+#: limits of one input (docs/guide/limits.md): GPUs of one plan, tokens of one sequence or
 #: document, sequences of one global batch
 MAX_GPUS = 131_072
 MAX_SEQ_LEN = 4_194_304

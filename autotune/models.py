@@ -293,7 +293,7 @@ OPTIONAL_SIZE_KEYS = (
     "num_experts",
     "moe_intermediate_size",
 )
-#: what one config may ask for (docs/LIMITS.md): far above any released model (the largest
+#: what one config may ask for (docs/guide/limits.md): far above any released model (the largest
 #: have ~126 layers, width 16,384 to 25,600, 262,144 tokens of vocabulary), low enough that
 #: building the model on the meta device and scoring every configuration take seconds
 SIZE_LIMITS = {
@@ -348,7 +348,7 @@ def _transformers_config(cfg: dict[str, Any], source: str) -> Any:
         if limit is not None and value > limit:
             raise UserError(
                 f"{source}: {key} {value:,} is more than {limit:,}, the limit of one model "
-                "config (docs/LIMITS.md)"
+                "config (docs/guide/limits.md)"
             )
     heads = cfg.get(aliases.get("num_attention_heads", "num_attention_heads"))
     kv = cfg.get(aliases.get("num_key_value_heads", "num_key_value_heads"))

@@ -268,7 +268,7 @@ def settings_of(study: optuna.Study) -> StudySettings:
         value = config.get(key)
         if isinstance(value, int) and value > limit:
             raise UserError(f"study '{name}': its stored settings' model config has {key} "
-                            f"{value:,}, more than {limit:,} (docs/LIMITS.md)")  # fmt: skip
+                            f"{value:,}, more than {limit:,} (docs/guide/limits.md)")  # fmt: skip
     try:
         return StudySettings.from_attrs(attrs)
     except (TypeError, ValueError) as exc:

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from autotune.estimator.analytical import AnalyticalEstimator
 from autotune.estimator.gpus import GB, gpu_spec
@@ -162,9 +163,10 @@ def test_zero2_moves_16_bit_gradients_and_weights() -> None:
 
 def test_zero_offload_prices_the_updated_weights_deepspeed_copies_back(observed: dict) -> None:
     """After its host step DeepSpeed copies the updated fp32 partition into the bf16 weights:
-    one element per parameter, in the weights' dtype. On the GPU that copy crosses PCIe: two
-    PCIe speeds (backward long enough to hide the gradients going out) differ by exactly that
-    many bytes over each."""
+    one element per parameter, in the weights' dtype. On the GPU that copy crosses PCIe, and so
+    do the gradients going out (copied in the reduction hooks on the compute stream, one
+    micro-batch here), each in the dtype autograd gives a bf16 weight's gradient: two PCIe speeds
+    differ by exactly those bytes over each."""
     ups = [c for c in observed["step_copies"] if c[1] == "float32" and c[0] != "float32"]
     assert sum(c[2] for c in ups) == observed["params"]
     nbytes = DTYPE_BYTES[ups[0][0]]
@@ -177,7 +179,12 @@ def test_zero_offload_prices_the_updated_weights_deepspeed_copies_back(observed:
         _step(config, slow, 1, seq=2048, batch=8).offload
         - _step(config, fast, 1, seq=2048, batch=8).offload
     )
-    hand = nbytes * PSI * (1 / (16.0 * GB * PCIE_EFFICIENCY) - 1 / (32.0 * GB * PCIE_EFFICIENCY))
+    weight = torch.zeros(4, dtype=torch.bfloat16, requires_grad=True)
+    (weight.float() * 2).sum().backward()
+    assert weight.grad is not None
+    grad_bytes = weight.grad.element_size()
+    per_byte = 1 / (16.0 * GB * PCIE_EFFICIENCY) - 1 / (32.0 * GB * PCIE_EFFICIENCY)
+    hand = (grad_bytes + nbytes) * PSI * per_byte
     assert got == pytest.approx(hand, rel=1e-9)
 
 

@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,7 +27,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from autotune.pending import PENDING_DIR
 from autotune.space import SearchSpace
-from autotune.storage import HEARTBEAT_ENV, STORAGE_RETRY_ENV
+from autotune.storage import GRACE_FACTOR, HEARTBEAT_ENV, STORAGE_RETRY_ENV
 from autotune.study import RECOVERED_FROM_ATTR, ensure_reference, settings_of
 from tests import pgserver
 from tests.conftest import NO_PROBES, SMALL_ARGS
@@ -332,6 +333,9 @@ def test_a_paused_controller_taken_over_keeps_its_measurement_and_goes_on(
     try:
         _wait_for("A's first job", lambda: _trial_file(a_dir, "trial-0", "job.pid"), a)
         a.send_signal(signal.SIGSTOP)
+        # B starts once A's heartbeat is past its grace, as a worker arriving later would: its
+        # first trial's sweep then finds trial 0 stale whatever configuration B draws
+        time.sleep(GRACE_FACTOR * int(BASE_ENV[HEARTBEAT_ENV]) + 1)
         b = _autotune(*b_worker, cwd=b_dir, env=env)
         _wait_for("B taking trial 0 over", lambda: watched.trials[0].state == TrialState.FAIL, b)
         # A's job is in its own session: it trained on and wrote its result meanwhile
@@ -397,14 +401,18 @@ def test_sigterm_while_the_loss_probe_runs_keeps_the_measurement_with_a_reason(
     args = _run_args(storage, name, "--probe-steps", "40", "--confirm-rounds", "0", space=space)
     # an empty probe cache of its own: the probe really runs
     proc = _autotune(*args, cwd=tmp_path, env=_env(AUTOTUNE_CACHE=str(tmp_path / "cache")))
+    # a local CPU study trains its probes in the controller's own process: the phase is known by
+    # the line the controller prints as the probe starts
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")))  # type: ignore[union-attr]
+    reader.start()
     try:
-        _wait_for(
-            "the loss probe's job", lambda: list(tmp_path.glob("autotune_runs/*/probe-*/job.pid")),
-            proc,
-        )  # fmt: skip
+        _wait_for("the loss probe", lambda: any("loss probe:" in line for line in lines), proc)
         time.sleep(0.5)
         proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=120)
+        proc.wait(timeout=120)
+        reader.join(timeout=10)
+        out, err = "".join(lines), proc.stderr.read()  # type: ignore[union-attr]
     finally:
         if proc.poll() is None:
             proc.kill()
