@@ -19,8 +19,8 @@ from autotune.finalists import MAX_FINALISTS, finalists, order, remeasure
 from autotune.lossguard import LossVerdict
 from autotune.runner import TrialRunner
 from autotune.selector import select
-from autotune.storage import open_storage
-from autotune.study import StudySettings, create_or_load
+from autotune.study import DEFAULT_ALLOW
+from tests.studies import records_study
 from trials.spec import TrialResult, TrialSpec
 from trials.techniques import fidelity_class
 
@@ -50,17 +50,9 @@ def _key(config: dict[str, Any]) -> str:
 
 
 def _study(tmp_path: Path) -> optuna.Study:
-    settings = StudySettings(
-        model="tiny-llama",
-        model_config={},
-        budget_bytes=200 * MB,
-        budget_label="200MB",
-        backend="cpu",
-        seq_len=64,
-        global_batch_size=8,
-        space={},
+    return records_study(
+        f"sqlite:///{tmp_path / 'db.sqlite'}", "s", 200 * MB, "200MB", allow=DEFAULT_ALLOW
     )
-    return create_or_load(open_storage(f"sqlite:///{tmp_path / 'db.sqlite'}"), "s", settings)
 
 
 def _add(study: optuna.Study, config: dict[str, Any], tps: float) -> int:
