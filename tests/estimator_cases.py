@@ -40,13 +40,46 @@ SETTINGS: list[tuple[str | None, int, int, int, list[int] | None]] = [
     (None, 2, 64, 8, [8, 64]),
 ]
 
-#: (model, space, analytical cases, traced cases)
-SAMPLES: list[tuple[str, str, int, int]] = [
-    ("tiny-llama", "estimate.yaml", 1000, 6),
-    ("llama-7b", "default.yaml", 250, 0),
-    ("llama-70b", "default.yaml", 200, 0),
-    ("mixtral-8x7b", "default.yaml", 60, 0),
-    ("gpt2-xl", "estimate.yaml", 60, 0),
+#: (model, space, analytical cases)
+SAMPLES: list[tuple[str, str, int]] = [
+    ("tiny-llama", "estimate.yaml", 1000),
+    ("llama-7b", "default.yaml", 250),
+    ("llama-70b", "default.yaml", 200),
+    ("mixtral-8x7b", "default.yaml", 60),
+    ("gpt2-xl", "estimate.yaml", 60),
+]
+
+#: the traced estimator's cases (tiny-llama, 128 tokens, batch 8): one trace each for the
+#: plain step, DeepSpeed's, FSDP2's, adapters' and a sampled one; each of the accountings the
+#: trace is combined with (ZeRO 1-3 with offload, FSDP2, LoRA, QLoRA, compile, activation
+#: offload) over the trace of its kind
+_PLAIN = {
+    "gradient_checkpointing": "full",
+    "precision": "bf16",
+    "attention": "sdpa",
+    "optimizer": "adamw",
+    "micro_batch_size": 2,
+}
+TRACED: list[tuple[dict[str, Any], str | None, int]] = [
+    (_PLAIN, "h100", 1),
+    ({**_PLAIN, "quantization": "nf4"}, "h100", 1),
+    ({**_PLAIN, "zero_stage": 2, "offload_optimizer": "cpu"}, "h100", 4),
+    ({**_PLAIN, "zero_stage": 3, "offload_optimizer": "cpu", "offload_param": "cpu"}, None, 2),
+    ({**_PLAIN, "zero_stage": 1}, "a100-40gb", 2),
+    ({**_PLAIN, "fsdp": "full_shard"}, "h100", 8),
+    ({**_PLAIN, "adapter": "lora", "lora_rank": 16, "lora_targets": "all_linear"}, "h100", 1),
+    (
+        {
+            **_PLAIN,
+            "gradient_checkpointing": "selective",
+            "checkpoint_every": 2,
+            "cross_entropy": "chunked",
+            "activation_offload": "cpu",
+            "compile": True,
+        },
+        None,
+        1,
+    ),
 ]
 
 
@@ -58,29 +91,35 @@ def cases() -> list[dict[str, Any]]:
     """Every case, in order: its method, model, config and setting."""
     out: list[dict[str, Any]] = []
     rng = random.Random(20261207)
-    for model, space_file, n_analytical, n_traced in SAMPLES:
+    for model, space_file, n in SAMPLES:
         space = SearchSpace.load(SPACES / space_file)
-        for method, n in (("analytical", n_analytical), ("traced", n_traced)):
-            for config in _sample(space, rng, n):
-                gpu, nproc, seq, gbs, docs = rng.choice(SETTINGS)
-                if method == "traced":  # a small trace: short sequences, a small batch
-                    seq, gbs = min(seq, 128), min(gbs, 8)
-                    config = {
-                        **config,
-                        "micro_batch_size": min(int(config.get("micro_batch_size", 1)), 2),
-                    }
-                out.append(
-                    {
-                        "method": method,
-                        "model": model,
-                        "config": config,
-                        "gpu": gpu,
-                        "nproc": nproc,
-                        "seq_len": seq,
-                        "global_batch_size": gbs,
-                        "documents": docs,
-                    }
-                )
+        for config in _sample(space, rng, n):
+            gpu, nproc, seq, gbs, docs = rng.choice(SETTINGS)
+            out.append(
+                {
+                    "method": "analytical",
+                    "model": model,
+                    "config": config,
+                    "gpu": gpu,
+                    "nproc": nproc,
+                    "seq_len": seq,
+                    "global_batch_size": gbs,
+                    "documents": docs,
+                }
+            )
+    for config, gpu, nproc in TRACED:
+        out.append(
+            {
+                "method": "traced",
+                "model": "tiny-llama",
+                "config": config,
+                "gpu": gpu,
+                "nproc": nproc,
+                "seq_len": 128,
+                "global_batch_size": 8,
+                "documents": None,
+            }
+        )
     return out
 
 
