@@ -26,6 +26,8 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from trials.techniques.terms import MemoryStep
+
 #: smaller saved tensors stay on the device (torchtune's ``min_offload_size``)
 MIN_BYTES = 1024
 
@@ -145,6 +147,22 @@ class ActivationOffload(Technique):
 
     def apply(self, model: nn.Module, config: Config, device: torch.device) -> nn.Module:
         return offload_activations(model) if offloads_activations(config) else model
+
+    def memory(self, step: MemoryStep) -> None:
+        # what the layers save goes to the host, up to the output layer (with the final norm's
+        # saved tensors; the head's input stays), and backward brings one layer back at a time
+        # (with its recompute); per-op checkpointing's saved ops stay in the checkpoint's own
+        # store, and autocast's cast cache still holds the weight copies the layers save (their
+        # host copies are extra)
+        if not offloads_activations(step.config):
+            return
+        host = step.kept - step.saved_kept + step.final_norm
+        if step.half and not step.model16 and not step.quantized:
+            host += 2 * step.layer_linear * (step.stats.layers - step.n_ckpt)
+        step.host_acts += host
+        step.kept = step.saved_kept
+        step.head_on_host = step.final_norm
+        step.bwd_inputs = step.stream
 
     def axolotl(self, config: Config, run: Run) -> dict[str, Any]:
         if not offloads_activations(config):

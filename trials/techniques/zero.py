@@ -5,9 +5,12 @@ is built in ``trials.zero.deepspeed_config`` from every technique's ``deepspeed`
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trials.techniques.base import Config, Knob, Run, Technique
+
+if TYPE_CHECKING:
+    from trials.techniques.terms import MemoryStep
 
 
 def runs_deepspeed(config: Config) -> bool:
@@ -25,6 +28,29 @@ class Zero(Technique):
 
     def deepspeed(self, config: Config, run: Run) -> dict[str, Any]:
         return {"zero_optimization": {"stage": zero_stage(config)}}
+
+    def moments(self, step: MemoryStep) -> None:
+        # ZeRO 1-2 make the gradient bucket at the output layer's gradient hook, once the
+        # logits' gradients are gone and every kept activation still is (under stage 3 the
+        # moment holds what the start of backward does, less the logits), and reduce at the
+        # accumulation boundary once backward is over (its own buffers); ZeRO-2 under offload
+        # also where the gradients first overflow the bucket, with the activations of the
+        # layers whose backward is still to come. What a rank holds in each phase: DeepSpeed's
+        # (``zero_states_at``)
+        phases = step.states.phases
+        if phases is None:
+            return
+        layer_acts = step.acts + step.cache_in_bwd
+        step.moments["first gradient hook"] = (step.grads_before, layer_acts, 0, 0)
+        step.moments["accumulation boundary"] = (step.grads, 0, 0, 0)
+        if phases.overflow:
+            held_acts = int(layer_acts * phases.overflow_held)
+            step.moments["bucket overflow"] = (step.grads_before, held_acts, 0, 0)
+
+        def held(moment: str) -> dict[str, int]:
+            return step.formulas.zero_states_at(phases, moment, step.accum)
+
+        step.held = held
 
 
 TECHNIQUE = Zero()
