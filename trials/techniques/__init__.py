@@ -160,8 +160,15 @@ class Registry:
         for technique in self._techniques:
             technique.moments(step)
 
+    def kernel_terms(self, step: SpeedStep) -> None:
+        """Every technique's change to a micro-batch's kernels, in order
+        (``Technique.kernels``)."""
+        for technique in self._techniques:
+            technique.kernels(step)
+
     def speed_terms(self, step: SpeedStep) -> None:
-        """Every technique's seconds of the step, in order (``Technique.speed``)."""
+        """Every technique's seconds on top of the micro-batches', in order
+        (``Technique.speed``)."""
         for technique in self._techniques:
             technique.speed(step)
 

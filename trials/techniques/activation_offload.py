@@ -26,10 +26,17 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from trials.techniques.terms import MemoryStep
+    from trials.techniques.terms import MemoryStep, SpeedStep
 
 #: smaller saved tensors stay on the device (torchtune's ``min_offload_size``)
 MIN_BYTES = 1024
+
+
+#: how activation offloading copies: "compute" (on the compute stream, as ``save_on_cpu`` and
+#: the trial job's hooks do: not overlapped) or "side" (torchtune's ``OffloadActivations`` with
+#: ``use_streams``: overlapped with compute, exposed only beyond it); a configuration may name it
+#: as ``activation_offload_stream`` (the trial job's is "compute")
+OFFLOAD_STREAM_DEFAULT = "compute"
 
 
 def offloads_activations(config: Config) -> bool:
@@ -163,6 +170,16 @@ class ActivationOffload(Technique):
         step.kept = step.saved_kept
         step.head_on_host = step.final_norm
         step.bwd_inputs = step.stream
+
+    def speed(self, step: SpeedStep) -> None:
+        # the offloaded bytes out in forward, back in backward, every micro-batch, on the
+        # compute stream (or, on a side stream, behind the forward's and the backward's compute)
+        moved = step.offloaded_activations / step.pcie
+        if str(step.config.get("activation_offload_stream", OFFLOAD_STREAM_DEFAULT)) == "side":
+            exposed = max(0.0, moved - step.fwd_all) + max(0.0, moved - step.bwd)
+            step.activation_copies = step.accum * exposed
+        else:
+            step.activation_copies = step.accum * 2 * moved
 
     def axolotl(self, config: Config, run: Run) -> dict[str, Any]:
         if not offloads_activations(config):

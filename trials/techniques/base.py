@@ -157,9 +157,13 @@ class Technique:
         replaces or removes in ``step.moments``, and what the model states hold at each
         (``step.held``)."""
 
+    def kernels(self, step: SpeedStep) -> None:
+        """How it changes what a micro-batch runs (first pass of the speed terms):
+        recomputation, fused element-wise work, launches."""
+
     def speed(self, step: SpeedStep) -> None:
-        """Its seconds in the step: recomputation, communication, offload copies, the
-        optimizer step's launches ..."""
+        """Its seconds on top of the micro-batches' (second pass): communication, host
+        copies, a host step."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({', '.join(k.name for k in self.knobs)})"

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from trials.techniques.terms import MemoryStep
+    from trials.techniques.terms import MemoryStep, SpeedStep
 
 
 #: ``checkpoint_save`` -> the aten ops whose outputs a checkpointed layer keeps (by op name; the
@@ -176,6 +176,18 @@ class Checkpointing(Technique):
         )
         step.recompute = step.per_layer + step.layer_weight_cache
         step.bwd_inputs = step.n_ckpt * step.stream
+
+    def kernels(self, step: SpeedStep) -> None:
+        # the forward of 1 in ``every`` layers runs again in backward, less the ops whose
+        # outputs a checkpointed layer saves (the matmuls, the attention kernel)
+        every = every_n_layers(step.config)
+        if every is None:
+            return
+        step.recompute_share = 1 / every
+        save = saved_ops(step.config)
+        step.recompute_compute = step.recompute_share * (
+            (0.0 if save == "matmuls" else step.fwd_mm) + (0.0 if save != "none" else step.attn_fwd)
+        )
 
     def companion(self, config: Config, run: Run) -> dict[str, Any]:
         return {

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from trials.techniques.terms import MemoryStep
+    from trials.techniques.terms import MemoryStep, SpeedStep
 
 #: slices of the micro-batch's tokens the loss is computed over (torchtune's default)
 CHUNKS = 8
@@ -153,6 +153,14 @@ class CrossEntropy(Technique):
             grad_bytes = 2 if step.half else 4
             head_grads = 0 if step.adapted else 2 * grad_bytes * step.head_params  # frozen: none
             step.bwd_logits_extra += head_grads + 4 * step.stats.hidden * step.tokens
+
+    def kernels(self, step: SpeedStep) -> None:
+        # each slice's logits made again in backward: the LM head's matmul runs once more
+        if not is_chunked(step.config):
+            return
+        st = step.stats
+        flops, nbytes = 2 * step.tokens * st.vocab * st.hidden, step.wbytes * st.vocab * st.hidden
+        step.recompute_compute += max(flops / step.peak, nbytes / step.hbm)
 
     def axolotl(self, config: Config, run: Run) -> dict[str, Any]:
         if not is_chunked(config):

@@ -23,7 +23,11 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from trials.techniques.terms import MemoryStep
+    from trials.techniques.terms import MemoryStep, SpeedStep
+
+#: launches per parameter tensor when each tensor is stepped alone (torch's single-tensor
+#: AdamW: about 12 ops each)
+SINGLE_TENSOR_STEP_OPS = 12
 
 
 def steps_in_backward(config: Config) -> bool:
@@ -121,6 +125,10 @@ class OptimizerInBackward(Technique):
         step.moments["output layer's step"] = (one_grad, head_acts_cache, 0, step.step_temps)
         step.moments["first layer's backward"] = (matrix, step.bwd_layers, 0, 2 * matrix)
         step.moments["end of backward"] = (one_grad, 0, 0, step.step_temps)
+
+    def kernels(self, step: SpeedStep) -> None:
+        if steps_in_backward(step.config):  # every tensor stepped alone, as it completes
+            step.per_tensor_ops = max(step.per_tensor_ops, SINGLE_TENSOR_STEP_OPS)
 
     def companion(self, config: Config, run: Run) -> dict[str, Any]:
         # neither TrainingArguments, accelerate nor axolotl has a key for it: the training

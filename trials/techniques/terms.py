@@ -125,14 +125,15 @@ class MemoryStep:
 
 @dataclass
 class SpeedStep:
-    """One step's seconds on one GPU, per micro-batch unless said otherwise, as the roofline
-    prices plain training; ``Technique.speed`` (registry order) adds its own terms.
-
-    ``fwd_mm``/``attn_fwd``/``elementwise``/``dequant``: the forward's matmuls, attention,
-    element-wise work (a third of ``elementwise`` in forward, two thirds in backward) and
-    dequantisation (half in each pass); ``bwd``: the backward; terms add recomputation
-    (``recompute_compute``, ``recompute_memory``), exposed communication per micro-batch and
-    per step, offload time per step, the optimizer step's seconds and launches."""
+    """One step's seconds on one GPU as the roofline (``autotune.estimator.speed``) prices
+    plain training, per micro-batch unless said otherwise. Two passes of the terms, in registry
+    order: ``Technique.kernels`` changes what a micro-batch runs (``recompute_share`` and
+    ``recompute_compute``: the forward run again in backward; ``elementwise_passes``: fused
+    element-wise work; ``ops_factor``: the operators launched; ``per_tensor_ops``: launches per
+    parameter tensor of the optimizer step), after which the forward and backward times are
+    final; ``Technique.speed`` adds what overlaps them or comes on top (``comm_micro_exposed``,
+    ``comm_step``: communication not hidden; ``offload``: host copies and a host step, per step;
+    ``activation_copies``: activations to the host and back, per step)."""
 
     config: Config
     stats: Any  # autotune.models.ModelStats
@@ -142,28 +143,42 @@ class SpeedStep:
     tokens: int  # positions per micro-batch
     seq_len: int
     half: bool
-    wbytes: int
+    wbytes: int  # a 16-bit or fp32 weight's bytes
     peak: float  # matmul FLOP/s reached
     hbm: float  # memory-bound bytes/s reached
     pcie: float  # host link bytes/s reached
+    link: float  # GPU-to-GPU bytes/s reached by the collectives
+    layer_act_bytes: int  # what one layer keeps for backward
     fwd_mm: float
+    bwd_mm: float
     attn_fwd: float
-    elementwise: float
-    dequant: float
-    bwd: float
+    attn_bwd: float
+    dequant: float  # forward and backward
+    elementwise_passes: float
     offloaded_activations: int  # bytes per micro-batch moved to the host and back
-    #: the fraction of the layers whose forward backward runs again
+    # --- first pass: the kernels -----------------------------------------------------------
     recompute_share: float = 0.0
     recompute_compute: float = 0.0
-    recompute_memory: float = 0.0
+    ops_factor: float = 1.0
+    per_tensor_ops: int = 0
+    # --- second pass: on top --------------------------------------------------------------
     comm_micro_exposed: float = 0.0
     comm_step: float = 0.0
     offload: float = 0.0
-    #: launches per parameter tensor of the optimizer step
-    per_tensor_ops: int = 0
-    #: launches a micro-batch makes, scaled by the terms (compile fuses them)
-    ops_factor: float = 1.0
-    extra: dict[str, float] = field(default_factory=dict)
+    activation_copies: float = 0.0
+
+    @property
+    def elementwise(self) -> float:
+        """The non-matmul ops' reads and writes of the kept activations, forward and backward."""
+        return self.elementwise_passes * self.layer_act_bytes * self.stats.layers / self.hbm
+
+    @property
+    def bwd(self) -> float:
+        return self.bwd_mm + self.attn_bwd + 2 * self.elementwise / 3 + self.dequant / 2
+
+    @property
+    def recompute_memory(self) -> float:
+        return self.recompute_share * (self.elementwise / 3 + self.dequant / 2)
 
     @property
     def fwd_all(self) -> float:

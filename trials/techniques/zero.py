@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from trials.techniques.base import Config, Knob, Run, Technique
 
 if TYPE_CHECKING:
-    from trials.techniques.terms import MemoryStep
+    from trials.techniques.terms import MemoryStep, SpeedStep
 
 
 def runs_deepspeed(config: Config) -> bool:
@@ -28,6 +28,29 @@ class Zero(Technique):
 
     def deepspeed(self, config: Config, run: Run) -> dict[str, Any]:
         return {"zero_optimization": {"stage": zero_stage(config)}}
+
+    def speed(self, step: SpeedStep) -> None:
+        # communication over the GPUs' link, ring algorithms: stage 0 (and data parallelism
+        # without DeepSpeed) all-reduces fp32 gradients once per step, overlapped with
+        # backward; stages 1-2 reduce-scatter 16-bit gradients each micro-batch (overlapped
+        # with backward) and all-gather the updated weights after the step; stage 3 gathers
+        # the weights in forward and in backward and reduce-scatters gradients per
+        # micro-batch, prefetched (overlapped with compute)
+        n = step.nproc
+        if n <= 1:
+            return
+        stage = zero_stage(step.config)
+        ring = (n - 1) / n
+        psi, link, bwd = step.stats.n_params, step.link, step.bwd
+        if stage == 0:
+            step.comm_step = max(0.0, 2 * ring * 4 * psi / link - bwd)
+        elif stage in (1, 2):
+            reduce = ring * step.wbytes * psi / link
+            step.comm_micro_exposed = max(0.0, reduce - bwd) if stage == 2 else 0.0
+            step.comm_step = ring * step.wbytes * psi / link + (reduce if stage == 1 else 0.0)
+        else:
+            gather = ring * step.wbytes * psi / link
+            step.comm_micro_exposed = max(0.0, gather - step.fwd_all) + max(0.0, 2 * gather - bwd)
 
     def moments(self, step: MemoryStep) -> None:
         # ZeRO 1-2 make the gradient bucket at the output layer's gradient hook, once the
