@@ -50,7 +50,7 @@ from autotune.estimator.states import (
 )
 from autotune.models import stats_of
 from trials.data import Documents, micro_shapes
-from trials.techniques import REGISTRY
+from trials.techniques import REGISTRY, setting
 from trials.techniques.adapter import adapted_16bit, adapts
 from trials.techniques.fsdp import runs_fsdp
 from trials.techniques.micro_batch import micro_and_accumulation
@@ -79,7 +79,7 @@ class AnalyticalEstimator(Estimator):
         big = micro_shapes(config, seq_len, global_batch_size, documents, nproc)[0]
         micro, length = big.rows, big.length
         tokens = micro * length
-        half = config.get("precision", "fp32") in ("bf16", "fp16")
+        half = setting(config, "precision") in ("bf16", "fp16")
         deepspeed = deepspeed_states(config)
         fsdp = runs_fsdp(config)
         # the model itself in 16 bits (DeepSpeed's engine; FSDP2's mixed-precision policy; pure
@@ -96,7 +96,7 @@ class AnalyticalEstimator(Estimator):
         layer_linear = st.layer_matrix_params + st.expert_params
         linear_params = layer_linear * layers
         head_params = vocab * h
-        quantized = str(config.get("quantization", "none") or "none") != "none"
+        quantized = str(setting(config, "quantization") or "none") != "none"
         # frozen quantized weights are dequantized per use, not kept as 16-bit copies
         cached_params = head_params + (0 if quantized else linear_params)
         weight_cache = 2 * cached_params if half and not model16 else 0

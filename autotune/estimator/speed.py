@@ -75,21 +75,12 @@ from autotune.estimator.gpus import GpuSpec
 from autotune.models import ModelStats, stats_of
 from trials.data import Documents, Shape, micro_shapes
 from trials.techniques import REGISTRY, setting
+from trials.techniques.adapter import adapts, rank_of
 from trials.techniques.fsdp import RESHARD, fsdp_mode, offloads_shards
 from trials.techniques.micro_batch import micro_and_accumulation
 from trials.techniques.offload import offloads_optimizer
 from trials.techniques.precision import pure_bf16
 from trials.techniques.terms import SpeedStep
-
-#: the adapter kinds that train low-rank matrices on a frozen 16-bit base (the ``adapter``
-#: dimension's choices besides "none")
-ADAPTERS = ("lora", "dora")
-
-
-def adapts(config: dict[str, Any]) -> bool:
-    """Whether the base weights are frozen under LoRA/DoRA adapters (on a 16-bit base)."""
-    return str(config.get("adapter", "none") or "none") in ADAPTERS
-
 
 #: fraction of the dense tensor-core (or fp32) peak that training's GEMMs reach, per GPU
 #: generation (CUDA major: 7 Volta, 8 Ampere/Ada, 9 Hopper), fitted to the published figures of
@@ -316,7 +307,7 @@ def step_time(
     if pure_bf16(config):  # the weight read and written, its gradient read: 2 bytes, not 4
         step_bytes -= PURE16_SAVED_BYTES
     if frozen:
-        rank = int(setting(config, "lora_rank", 8) or 8)
+        rank = rank_of(config)
         trainable = 2 * rank * (st.layers * (st.layer_matrix_params // max(1, st.hidden)) + 1)
         tensors = 2 * st.layers * 7  # an A and a B per adapted linear
     else:
@@ -374,7 +365,7 @@ def roofline(
     ``documents``: variable-length data, timed at a typical micro-batch (only its real tokens
     count)."""
     st = stats_of(model_cfg)
-    micro = int(config.get("micro_batch_size", global_batch_size))
+    micro = int(setting(config, "micro_batch_size", global_batch_size))
     shape = None
     if documents is not None:
         shape = micro_shapes(config, seq_len, global_batch_size, documents, nproc)[1]
