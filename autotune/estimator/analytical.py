@@ -177,6 +177,8 @@ class AnalyticalEstimator(Estimator):
             else:
                 held = {"parameters": params, "gradients": g, "optimizer_states": optim}
                 held["temporaries"] = tmp
+            if step.resident:
+                held = {**held, "parameters": held["parameters"] + step.resident}
             total = sum(held.values()) + a + lg
             if total > peak:
                 peak, where = total, name

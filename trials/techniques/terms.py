@@ -54,8 +54,9 @@ class MemoryStep:
     ``kept`` (the decoder layers' saved tensors at the end of forward), ``head_acts`` (the final
     norm's and the head's), ``recompute`` (a layer recomputed in backward), ``bwd_inputs``
     (the layer inputs still held at the end of backward), ``logit_tokens`` and
-    ``bwd_logits_extra`` (the loss's), ``host_acts`` (activations in host memory) and
-    ``head_on_host`` (of ``head_acts``, what lives there). The estimator then derives
+    ``bwd_logits_extra`` (the loss's), ``host_acts`` (activations in host memory),
+    ``head_on_host`` (of ``head_acts``, what lives there) and ``resident`` (its buffers). The
+    estimator then derives
     ``acts``, ``cache_in_fwd``/``cache_in_bwd`` (autocast's 16-bit weight copies held), the
     logits bytes and ``bwd_layers``, builds plain training's ``moments`` and calls
     ``Technique.moments`` (second pass), which may add, replace or remove moments and say what
@@ -104,6 +105,9 @@ class MemoryStep:
     bwd_logits_extra: int = 0
     host_acts: int = 0
     head_on_host: int = 0
+    #: bytes a technique keeps on the device through the whole step (its own buffers),
+    #: counted with the parameters at every moment
+    resident: int = 0
     # --- derived, then the second pass --------------------------------------------------------
     acts: int = 0
     cache_in_fwd: int = 0
