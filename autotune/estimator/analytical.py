@@ -19,6 +19,10 @@ eager attention) but counted for the LLaMA decoder as transformers runs it, tens
   the logits' gradient: 12 T*v bytes (+2 T*v of 16-bit logits in forward under autocast); with
   chunked cross-entropy T is one slice's tokens (the others' logits never exist at the time).
 
+Plain training's bytes are computed here; each technique's own (checkpointing, chunked
+cross-entropy, activation offload, packing, the step in backward, FSDP2, ZeRO) are its module's
+``memory`` and ``moments`` terms over a ``trials.techniques.terms.MemoryStep``.
+
 The peak is the largest of these moments: end of forward, start of backward (logits gradients),
 end of backward (all gradients and the last recomputed layer), optimizer step; under ZeRO also
 the first gradient hook (the kept activations and the gradient bucket ZeRO 1-2 make then). With the

@@ -1,5 +1,10 @@
 """Roofline speed model: the step time of one GPU, op class by op class.
 
+``step_time`` prices plain training (matmuls, attention, element-wise work, dequantisation, the
+optimizer step, the launch floor) and hands a ``trials.techniques.terms.SpeedStep`` to every
+registered technique: ``kernels`` (recomputation, fused passes, launches) and then ``speed``
+(communication, host copies), each in the technique's own module; the parts below name them.
+
 Every part is FLOPs at the GPU's peak times an efficiency, or bytes at a link's bandwidth times
 an efficiency, whichever is slower (a roofline per op class):
 
