@@ -4,7 +4,7 @@
 buffer of N fp32 elements beside the model (the same math, more memory: exact, and a larger pad
 never needs less memory). It is registered for the test only, with nothing edited elsewhere,
 and the search space, the hardware checks, the strategy's pruning, the ladder, "simplest wins",
-the exports and the real trial job all pick it up.
+the exports, both estimators (its memory and speed terms) and the real trial job all pick it up.
 """
 
 from __future__ import annotations
@@ -20,9 +20,13 @@ import torch
 from torch import nn
 
 from autotune.errors import UserError
+from autotune.estimator.analytical import AnalyticalEstimator
+from autotune.estimator.gpus import GPUS
+from autotune.estimator.traced import TracedEstimator
 from autotune.export import EXPORTERS, export
 from autotune.hardware import Hardware
 from autotune.ladder import baseline_config
+from autotune.models import REGISTRY as MODELS
 from autotune.selector import simplicity
 from autotune.space import SearchSpace
 from autotune.strategy import AutotuneSampler, needs_no_less_memory, observations
@@ -30,6 +34,7 @@ from tests.conftest import TINY_SETTINGS, tiny_spec
 from trials.job import run_trial
 from trials.techniques import REGISTRY, fidelity_class
 from trials.techniques.base import Config, Knob, Run, Technique
+from trials.techniques.terms import MemoryStep, SpeedStep
 
 #: elements of each pad choice (fp32: 4 bytes each)
 PAD = {"none": 0, "small": 250_000, "large": 1_000_000, "huge": 4_000_000}
@@ -41,6 +46,7 @@ def _two_gpus(hw: Hardware) -> str | None:
 
 class ToyPad(Technique):
     family = "toy_pad"
+    traced = True  # the traced estimator's fake step applies it too
     knobs = (
         Knob(
             "toy_pad",
@@ -72,6 +78,14 @@ class ToyPad(Technique):
 
     def deepspeed(self, config: Config, run: Run) -> dict[str, Any]:
         return {"zero_optimization": {"toy_pad_elements": PAD[str(config["toy_pad"])]}}
+
+    def memory(self, step: MemoryStep) -> None:
+        # the pad stays on the device through the whole step
+        step.resident += 4 * PAD[str(step.config.get("toy_pad", "none"))]
+
+    def speed(self, step: SpeedStep) -> None:
+        # say the pad is copied to the host once per step
+        step.offload += 4 * PAD[str(step.config.get("toy_pad", "none"))] / step.pcie
 
 
 SPACE = {
@@ -266,6 +280,25 @@ def test_every_export_carries_its_keys(toy: ToyPad, tmp_path: Path) -> None:
             assert "toy_pad_elements: 1000000" in out.read_text().replace('"', ""), fmt
     ds = json.loads((tmp_path / "deepspeed.json").read_text())
     assert ds["zero_optimization"] == {"stage": 2, "toy_pad_elements": 1_000_000}
+
+
+def test_both_estimators_add_its_terms(toy: ToyPad, tmp_path: Path) -> None:
+    """Its memory term (the pad's 4 bytes per element at every moment: 4 MB for ``large``) in
+    the analytical peak, its fake buffer in the traced one, and its speed term (4 MB over the
+    H100's PCIe 5 x16, 64 GB/s at 80%) in both step times, with nothing edited elsewhere."""
+    model = MODELS["tiny-llama"].config
+    plain = {"gradient_checkpointing": "off", "micro_batch_size": 2, "toy_pad": "none"}
+    padded = {**plain, "toy_pad": "large"}
+    copy_s = 4_000_000 / (64e9 * 0.8)
+    for estimator in (AnalyticalEstimator(), TracedEstimator(cache=tmp_path)):
+        kw: dict[str, Any] = {"seq_len": 64, "global_batch_size": 4, "gpu": GPUS["h100"]}
+        a = estimator.estimate(model, plain, **kw)
+        b = estimator.estimate(model, padded, **kw)
+        assert b.peak_bytes - a.peak_bytes == 4_000_000, estimator.name
+        offload = b.time_breakdown["offload"] - a.time_breakdown["offload"]
+        assert offload == pytest.approx(copy_s, rel=1e-9), estimator.name
+        assert b.step_time_s - a.step_time_s == pytest.approx(copy_s, rel=1e-6), estimator.name
+    assert b.breakdown["parameters"] >= a.breakdown["parameters"]
 
 
 def test_the_job_applies_it(toy: ToyPad) -> None:

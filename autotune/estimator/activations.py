@@ -7,6 +7,7 @@ from typing import Any
 
 from autotune.estimator.states import adapter_shapes, model_in_16_bits
 from autotune.models import ModelStats
+from trials.techniques import setting
 from trials.techniques.checkpointing import saved_ops
 from trials.techniques.compile import compiles
 
@@ -26,7 +27,7 @@ def layer_activation_bytes(
     tokens = seq_len * micro
     saved = (4 if st.gated_mlp else 2) + ACT_EXTRA_SAVED.get(st.hidden_act, 0)
     mlp_w = saved * st.intermediate * max(1, st.top_k)
-    half = config.get("precision", "fp32") in ("bf16", "fp16")
+    half = setting(config, "precision") in ("bf16", "fp16")
     pure16 = model_in_16_bits(config)
     # DeepSpeed (and pure bf16) run the model in 16 bits: only the norms upcast (fitted to traces)
     if pure16:
@@ -46,7 +47,7 @@ def layer_activation_bytes(
         per_token += NORM_BYTES["rms"]["pure16" if half else "fp32"] * (q + kvw)
     if mode == "autocast":  # each projection casts its own copy of its input: fused ones once
         per_token -= 2 * h * (3 - st.qkv_projections + 2 - st.mlp_in_projections)
-    eager = config.get("attention", "sdpa") == "eager"
+    eager = setting(config, "attention") == "eager"
     if st.qkv_projections == 1 and not eager:
         # q, k, v as views of one fused output: without rotary q keeps all of it alive and the
         # CPU's attention kernel copies k and v; with it v keeps it (q and k are rewritten).
@@ -108,7 +109,7 @@ def compiled_saving(st: ModelStats, config: dict[str, Any]) -> int:
     if not compiles(config) or not llama or model_in_16_bits(config):
         return 0
     h, i = st.hidden, st.intermediate
-    autocast = config.get("precision", "fp32") in ("bf16", "fp16")
+    autocast = setting(config, "precision") in ("bf16", "fp16")
     return 16 * h + 2 * i if autocast else 4 * (2 * h + i)
 
 
@@ -123,8 +124,8 @@ def _fp32_experts(config: dict[str, Any]) -> bool:
     """Under autocast over fp32 weights an MoE layer's experts compute in fp32: their grouped
     matmul (``aten._grouped_mm``, transformers 5) has no autocast rule on CPU or CUDA. DeepSpeed's
     model and a quantized model's base are 16-bit."""
-    autocast = config.get("precision", "fp32") in ("bf16", "fp16") and not model_in_16_bits(config)
-    return autocast and str(config.get("quantization", "none") or "none") == "none"
+    autocast = setting(config, "precision") in ("bf16", "fp16") and not model_in_16_bits(config)
+    return autocast and str(setting(config, "quantization") or "none") == "none"
 
 
 #: bytes per hidden unit one norm keeps per token: llama's RMSNorm its input and the normalised
@@ -150,7 +151,7 @@ def saved_op_bytes(st: ModelStats, config: dict[str, Any], seq_len: int, micro: 
     save = saved_ops(config)
     if save == "none":
         return 0
-    half = config.get("precision", "fp32") in ("bf16", "fp16")
+    half = setting(config, "precision") in ("bf16", "fp16")
     width = 2 if half else 4
     q, kvw = st.heads * st.head_dim, st.kv_heads * st.head_dim
     per_token = width * q + 4 * st.heads
@@ -181,7 +182,7 @@ def adapter_activation_bytes(st: ModelStats, config: dict[str, Any], tokens: int
     from trials.techniques.adapter import adapter_of, rank_of, targets_of
 
     shapes, outputs = adapter_shapes(st, config)
-    half = config.get("precision", "fp32") in ("bf16", "fp16")
+    half = setting(config, "precision") in ("bf16", "fp16")
     width = 2 if half else 4
     adapted = sum(1 for s in shapes if len(s) == 2) // 2
     total = adapted * rank_of(config) * width * tokens

@@ -19,6 +19,10 @@ eager attention) but counted for the LLaMA decoder as transformers runs it, tens
   the logits' gradient: 12 T*v bytes (+2 T*v of 16-bit logits in forward under autocast); with
   chunked cross-entropy T is one slice's tokens (the others' logits never exist at the time).
 
+Plain training's bytes are computed here; each technique's own (checkpointing, chunked
+cross-entropy, activation offload, packing, the step in backward, FSDP2, ZeRO) are its module's
+``memory`` and ``moments`` terms over a ``trials.techniques.terms.MemoryStep``.
+
 The peak is the largest of these moments: end of forward, start of backward (logits gradients),
 end of backward (all gradients and the last recomputed layer), optimizer step; under ZeRO also
 the first gradient hook (the kept activations and the gradient bucket ZeRO 1-2 make then). With the
@@ -35,31 +39,27 @@ from autotune.estimator.activations import (
     adapter_activation_bytes,
     dropout_mask_bytes,
     layer_activation_bytes,
-    saved_op_bytes,
 )
 from autotune.estimator.base import PARTS, Estimate, Estimator
+from autotune.estimator.formulas import FORMULAS
 from autotune.estimator.gpus import GpuSpec
 from autotune.estimator.speed import roofline
 from autotune.estimator.states import (
     adapter_shapes,
     deepspeed_states,
     estimator_states,
-    fsdp_held,
     host_with_activations,
     numel,
     pure_outside_deepspeed,
-    zero_states_at,
 )
 from autotune.models import stats_of
 from trials.data import Documents, micro_shapes
-from trials.techniques.activation_offload import offloads_activations
+from trials.techniques import REGISTRY, setting
 from trials.techniques.adapter import adapted_16bit, adapts
-from trials.techniques.cross_entropy import loss_tokens
 from trials.techniques.fsdp import runs_fsdp
 from trials.techniques.micro_batch import micro_and_accumulation
 from trials.techniques.optimizer import step_choice
-from trials.techniques.optimizer_in_backward import steps_in_backward
-from trials.techniques.packing import packs
+from trials.techniques.terms import MemoryStep
 
 
 class AnalyticalEstimator(Estimator):
@@ -83,7 +83,7 @@ class AnalyticalEstimator(Estimator):
         big = micro_shapes(config, seq_len, global_batch_size, documents, nproc)[0]
         micro, length = big.rows, big.length
         tokens = micro * length
-        half = config.get("precision", "fp32") in ("bf16", "fp16")
+        half = setting(config, "precision") in ("bf16", "fp16")
         deepspeed = deepspeed_states(config)
         fsdp = runs_fsdp(config)
         # the model itself in 16 bits (DeepSpeed's engine; FSDP2's mixed-precision policy; pure
@@ -100,7 +100,7 @@ class AnalyticalEstimator(Estimator):
         layer_linear = st.layer_matrix_params + st.expert_params
         linear_params = layer_linear * layers
         head_params = vocab * h
-        quantized = str(config.get("quantization", "none") or "none") != "none"
+        quantized = str(setting(config, "quantization") or "none") != "none"
         # frozen quantized weights are dequantized per use, not kept as 16-bit copies
         cached_params = head_params + (0 if quantized else linear_params)
         weight_cache = 2 * cached_params if half and not model16 else 0
@@ -111,14 +111,6 @@ class AnalyticalEstimator(Estimator):
         if adapted:
             per_layer += adapter_activation_bytes(st, config, tokens) // layers
         stream_width = 2 if model16 and half else 4  # the residual stream's dtype
-        stream = stream_width * h * tokens  # a layer's input
-        ckpt = str(config.get("gradient_checkpointing", "off"))
-        every = {"off": 0, "full": 1}.get(ckpt, int(config.get("checkpoint_every", 2)))
-        n_ckpt = layers // every if every else 0
-        # a checkpointed layer keeps its input and, selective per op, the saved ops' outputs
-        kept = n_ckpt * (stream + saved_op_bytes(st, config, length, micro))
-        kept += (layers - n_ckpt) * per_layer
-        recompute = (per_layer + layer_weight_cache) if every else 0
         # the final norm (what the norm's kind keeps) and the head's input (its output, or under
         # autocast its 16-bit copy); the embedding's output is the first layer's input
         mode = "pure16" if model16 and half else "autocast" if half else "fp32"
@@ -126,104 +118,76 @@ class AnalyticalEstimator(Estimator):
         head_acts = final_norm + (2 if half else 4) * h * tokens
         if st.embd_dropout > 0:  # its mask (the output is the first layer's input)
             head_acts += dropout_mask_bytes(stream_width, cuda) * h * tokens
-        # under autocast 16-bit logits plus the fp32 log-softmax; DeepSpeed's 16-bit model keeps
-        # its 16-bit logits and the loss's fp32 upcast
-        # (chunked cross-entropy: one slice's logits at a time, recomputed in backward)
-        logit_tokens = loss_tokens(config, tokens)
-        fwd_logits = (6 if half and model16 else 10 if half else 8) * logit_tokens * vocab
-        bwd_logits = 12 * logit_tokens * vocab
-        if logit_tokens < tokens:
-            # the head's weight is used once per slice: autograd sums its slices' gradients in
-            # a buffer before it reaches ``.grad`` (the sum so far and the new slice's: two
-            # head-sized gradients, of the 16-bit weight copy under autocast); and the hidden
-            # states' gradient filled slice by slice
-            grad_bytes = 2 if half else 4
-            head_grads = 0 if adapted else 2 * grad_bytes * head_params  # a frozen head: none
-            bwd_logits += head_grads + 4 * h * tokens
-        if (
-            documents is not None
-            and packs(config)
-            and str(config.get("attention")) != "flash_attention_2"
-        ):
-            # packed rows: transformers builds one block-causal boolean mask (rows x s x s),
-            # which every layer's attention keeps for backward
-            head_acts += micro * length * length
-        acts = kept + head_acts
-        cache_in_fwd = weight_cache
-        cache_in_bwd = 0 if every == 1 else weight_cache * (layers - n_ckpt) // max(1, layers)
-        bwd_layers = n_ckpt * stream + recompute
-        host_acts = 0
-        if offloads_activations(config):
-            # what the layers save goes to the host, up to the output layer (with the final
-            # norm's saved tensors; the head's input stays), and backward
-            # brings one layer back at a time (with its recompute); per-op checkpointing's saved
-            # ops stay in the checkpoint's own store, and autocast's cast cache still holds the
-            # weight copies the layers save (their host copies are extra)
-            saved_ops = n_ckpt * saved_op_bytes(st, config, length, micro)
-            host_acts = kept - saved_ops + final_norm
-            if half and not model16 and not quantized:
-                host_acts += 2 * layer_linear * (layers - n_ckpt)
-            acts = head_acts - final_norm + saved_ops
-            bwd_layers = stream + recompute
-        grads_before = grads if accum > 1 else 0
         largest = st.largest_param
         if adapted:  # the largest trainable tensor: an adapter's
             largest = max(numel(s) for s in adapter_shapes(st, config)[0])
-        step_temps = (
-            step_choice(config).step_temporaries(largest, cuda, pure) if not deepspeed else 0
+        step = MemoryStep(
+            config=config,
+            stats=st,
+            formulas=FORMULAS,
+            states=states,
+            cuda=cuda,
+            nproc=nproc,
+            accum=accum,
+            micro=micro,
+            length=length,
+            tokens=tokens,
+            documents=documents is not None,
+            half=half,
+            model16=model16,
+            pure=pure,
+            adapted=adapted,
+            quantized=quantized,
+            deepspeed=deepspeed,
+            per_layer=per_layer,
+            stream=stream_width * h * tokens,  # a layer's input
+            layer_linear=layer_linear,
+            head_params=head_params,
+            weight_cache=weight_cache,
+            layer_weight_cache=layer_weight_cache,
+            final_norm=final_norm,
+            grads=grads,
+            gbytes=2 if pure else 4,  # a gradient's bytes per value (the parameter's dtype)
+            largest=largest,
+            step_temps=(
+                step_choice(config).step_temporaries(largest, cuda, pure) if not deepspeed else 0
+            ),
+            # plain training: every layer's activations kept, the whole micro-batch's logits
+            kept=layers * per_layer,
+            head_acts=head_acts,
+            logit_tokens=tokens,
         )
-        gbytes = 2 if pure else 4  # a gradient's bytes per value (the parameter's dtype)
-
-        moments = {
-            "end of forward": (grads_before, acts + cache_in_fwd, fwd_logits, 0),
-            "start of backward": (grads_before, acts + cache_in_bwd, bwd_logits, 0),
-            "end of backward": (grads, bwd_layers, 0, 0),
-            "optimizer step": (grads, 0, 0, step_temps),
+        REGISTRY.memory_terms(step)
+        step.acts = step.kept + step.head_acts - step.head_on_host
+        step.cache_in_fwd = weight_cache
+        step.cache_in_bwd = weight_cache * (layers - step.n_ckpt) // max(1, layers)
+        step.bwd_layers = step.bwd_inputs + step.recompute
+        # under autocast 16-bit logits plus the fp32 log-softmax; DeepSpeed's 16-bit model keeps
+        # its 16-bit logits and the loss's fp32 upcast
+        step.fwd_logits = (6 if half and model16 else 10 if half else 8) * step.logit_tokens * vocab
+        step.bwd_logits = 12 * step.logit_tokens * vocab + step.bwd_logits_extra
+        acts, grads_before = step.acts, step.grads_before
+        step.moments = {
+            "end of forward": (grads_before, acts + step.cache_in_fwd, step.fwd_logits, 0),
+            "start of backward": (grads_before, acts + step.cache_in_bwd, step.bwd_logits, 0),
+            "end of backward": (grads, step.bwd_layers, 0, 0),
+            "optimizer step": (grads, 0, 0, step.step_temps),
         }
-        if states.phases is not None:
-            # ZeRO 1-2 make the gradient bucket at the output layer's gradient hook, once the
-            # logits' gradients are gone and every kept activation still is (under stage 3 the
-            # moment holds what the start of backward does, less the logits)
-            moments["first gradient hook"] = (grads_before, acts + cache_in_bwd, 0, 0)
-            # and reduce at the accumulation boundary once backward is over (its own buffers);
-            # ZeRO-2 under offload also where the gradients first overflow the bucket, with the
-            # activations of the layers whose backward is still to come
-            moments["accumulation boundary"] = (grads, 0, 0, 0)
-            if states.phases.overflow:
-                held_acts = int((acts + cache_in_bwd) * states.phases.overflow_held)
-                moments["bucket overflow"] = (grads_before, held_acts, 0, 0)
-        if steps_in_backward(config) and not deepspeed:
-            # each parameter stepped as its gradient completes, and the gradient freed: no
-            # moment holds every gradient. The output layer's (the largest) is stepped first,
-            # once the logits' gradients are gone and every kept activation still is; in the
-            # first layer's backward one MLP matrix's at most; the embedding's after the layers
-            one_grad = min(grads, gbytes * largest)
-            matrix = min(one_grad, gbytes * h * st.intermediate)
-            del moments["optimizer step"], moments["end of backward"]
-            # the head's 16-bit weight copy (autocast's, saved for its input's gradient) is
-            # freed with the head's backward, before its step
-            head_cache = 2 * head_params * (layers - n_ckpt) // layers if weight_cache else 0
-            head_acts_cache = acts + max(0, cache_in_bwd - head_cache)
-            moments["output layer's step"] = (one_grad, head_acts_cache, 0, step_temps)
-            moments["first layer's backward"] = (matrix, bwd_layers, 0, 2 * matrix)
-            moments["end of backward"] = (one_grad, 0, 0, step_temps)
-        if fsdp:
-            # the first block's backward (the last recomputed) apart from the root's gradients
-            # reduced at the very end, when no activation is left (``fsdp_held``)
-            moments["first layer's backward"] = (0, bwd_layers, 0, 0)
-            moments["end of backward"] = (0, 0, 0, 0)
+        REGISTRY.moment_terms(step)
         peak, where, breakdown = -1, "", {k: 0 for k in PARTS}
-        for name, (g, a, lg, tmp) in moments.items():
-            held = {"parameters": params, "gradients": g, "optimizer_states": optim}
-            held["temporaries"] = tmp
-            if states.phases is not None:  # ZeRO: what DeepSpeed holds in this phase
-                held = zero_states_at(states.phases, name, accum)
-            elif fsdp:  # FSDP2: its shards and what it gathers in this phase
-                held = fsdp_held(st, config, nproc, name, accum, cuda=gpu is not None)
+        for name, (g, a, lg, tmp) in step.moments.items():
+            if step.held is not None:  # what the engine holds in this phase
+                held = step.held(name)
+            else:
+                held = {"parameters": params, "gradients": g, "optimizer_states": optim}
+                held["temporaries"] = tmp
+            if step.resident:
+                held = {**held, "parameters": held["parameters"] + step.resident}
             total = sum(held.values()) + a + lg
             if total > peak:
                 peak, where = total, name
                 breakdown = {**held, "activations": a, "logits/loss": lg}
+        host_acts = step.host_acts
         notes = [f"peak at {where}", *states.notes]
         host = host_with_activations(states.host, host_acts, nproc, gpu, notes)
         est = Estimate(int(peak), breakdown, method=self.name, notes=notes, host_breakdown=host)

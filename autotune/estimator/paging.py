@@ -35,7 +35,7 @@ from autotune.estimator.base import Estimate
 from autotune.estimator.gpus import GB, GpuSpec
 from autotune.estimator.speed import PCIE_EFFICIENCY
 from autotune.models import stats_of
-from trials.techniques import OPTIMIZERS
+from trials.techniques import OPTIMIZERS, setting
 
 #: the optimizers whose states are paged (bitsandbytes' ``Paged*`` classes)
 PAGED_OPTIMIZERS = ("paged_adamw_8bit",)
@@ -44,7 +44,7 @@ PAGED_MIN_NUMEL = 100_000
 
 
 def pages(config: dict[str, Any]) -> bool:
-    return str(config.get("optimizer", "adamw")) in PAGED_OPTIMIZERS
+    return str(setting(config, "optimizer")) in PAGED_OPTIMIZERS
 
 
 def paged_state_bytes(model_config: dict[str, Any], config: dict[str, Any]) -> int:
@@ -52,8 +52,8 @@ def paged_state_bytes(model_config: dict[str, Any], config: dict[str, Any]) -> i
     not paged or the base is frozen: adapters' tensors are small)."""
     if not pages(config):
         return 0
-    frozen = str(config.get("quantization", "none") or "none") != "none" or str(
-        config.get("adapter", "none") or "none"
+    frozen = str(setting(config, "quantization") or "none") != "none" or str(
+        setting(config, "adapter") or "none"
     ) not in ("none", "")
     if frozen:
         return 0

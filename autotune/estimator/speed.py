@@ -1,5 +1,10 @@
 """Roofline speed model: the step time of one GPU, op class by op class.
 
+``step_time`` prices plain training (matmuls, attention, element-wise work, dequantisation, the
+optimizer step, the launch floor) and hands a ``trials.techniques.terms.SpeedStep`` to every
+registered technique: ``kernels`` (recomputation, fused passes, launches) and then ``speed``
+(communication, host copies), each in the technique's own module; the parts below name them.
+
 Every part is FLOPs at the GPU's peak times an efficiency, or bytes at a link's bandwidth times
 an efficiency, whichever is slower (a roofline per op class):
 
@@ -74,23 +79,13 @@ from autotune.estimator.base import Estimate
 from autotune.estimator.gpus import GpuSpec
 from autotune.models import ModelStats, stats_of
 from trials.data import Documents, Shape, micro_shapes
-from trials.techniques.checkpointing import saved_ops
-from trials.techniques.compile import compiles
-from trials.techniques.cross_entropy import is_chunked
+from trials.techniques import REGISTRY, setting
+from trials.techniques.adapter import adapts, rank_of
 from trials.techniques.fsdp import RESHARD, fsdp_mode, offloads_shards
 from trials.techniques.micro_batch import micro_and_accumulation
-from trials.techniques.optimizer_in_backward import steps_in_backward
+from trials.techniques.offload import offloads_optimizer
 from trials.techniques.precision import pure_bf16
-
-#: the adapter kinds that train low-rank matrices on a frozen 16-bit base (the ``adapter``
-#: dimension's choices besides "none")
-ADAPTERS = ("lora", "dora")
-
-
-def adapts(config: dict[str, Any]) -> bool:
-    """Whether the base weights are frozen under LoRA/DoRA adapters (on a 16-bit base)."""
-    return str(config.get("adapter", "none") or "none") in ADAPTERS
-
+from trials.techniques.terms import SpeedStep
 
 #: fraction of the dense tensor-core (or fp32) peak that training's GEMMs reach, per GPU
 #: generation (CUDA major: 7 Volta, 8 Ampere/Ada, 9 Hopper), fitted to the published figures of
@@ -107,8 +102,6 @@ COMM_EFFICIENCY = 0.70
 PCIE_EFFICIENCY = 0.80
 #: reads + writes of a layer's kept activations by its non-matmul ops, forward and backward
 ELEMENTWISE_PASSES = 4.0
-#: host memory bandwidth CPU-Adam reaches on a training server (DDR4/5, several channels)
-HOST_MEMORY_GBPS = 100.0
 #: optimizer step bytes moved per parameter on the device: fp32 weight read and written, its
 #: gradient read, the states read and written (8-bit: a byte per moment, 4-bit half of it)
 OPTIMIZER_STEP_BYTES = {
@@ -123,7 +116,6 @@ OPTIMIZER_STEP_BYTES = {
 #: pure bf16 (no fp32 masters): the step reads and writes 16-bit weights and reads 16-bit
 #: gradients, 3 x 2 bytes per parameter fewer than ``OPTIMIZER_STEP_BYTES`` counts
 PURE16_SAVED_BYTES = 6
-CPU_ADAM_BYTES = 30  # fp32 p, g, m, v read; p, m, v and the 16-bit copy written
 QUANT_BYTES = {"int8": 1.0, "nf4": 0.53}
 #: CPU time eager PyTorch spends per operator it launches (Python, dispatcher, cudaLaunchKernel):
 #: about 10 us (PyTorch's "Accelerating PyTorch with CUDA Graphs" post, 2021: the CPU
@@ -137,13 +129,6 @@ LAUNCH_S = 10e-6
 #: twice as many
 LAYER_OPS_FORWARD = 48
 LAYER_OPS_BACKWARD = 96
-#: of those, what a compiled layer still launches: the linears and the attention kernel stay,
-#: each element-wise chain becomes one Triton kernel (inductor)
-COMPILED_OPS = 0.35
-#: reads + writes of the kept activations by compiled (fused) element-wise code: one read and
-#: one write per fused chain; fitted to the published gains of compiling the model, 1.16-1.27x
-#: (torchtune's Llama 3.2 3B memory table: +compile 7,075 -> 8,998 tokens/s, 1.27x)
-COMPILED_ELEMENTWISE_PASSES = 1.5
 #: launches per parameter tensor of the optimizer's step: torch's AdamW steps every tensor with
 #: foreach kernels over the whole list (none per tensor) unless each tensor is stepped alone
 #: (the step in backward: about 12 ops each, torch's single-tensor AdamW); bitsandbytes' 8-bit
@@ -160,7 +145,6 @@ TENSOR_STEP_OPS = {
     "adamw_torchao_8bit": 3,
     "adamw_torchao_4bit": 3,
 }
-SINGLE_TENSOR_STEP_OPS = 12
 #: block-wise (de)quantisation of low-bit optimizer states in the step, as HBM-equivalent bytes
 #: per parameter beyond the bytes the step moves: each moment's code looked up (dequantised to
 #: fp32) and its new value searched in the 256-entry code book, with a block's absmax reduced
@@ -175,11 +159,6 @@ QUANT_STEP_BYTES = {
     "adamw_torchao_8bit": 24,
     "adamw_torchao_4bit": 30,
 }
-#: how activation offloading copies: "compute" (on the compute stream, as ``save_on_cpu`` and
-#: the trial job's hooks do: not overlapped) or "side" (torchtune's ``OffloadActivations`` with
-#: ``use_streams``: overlapped with compute, exposed only beyond it); a configuration may name it
-#: as ``activation_offload_stream`` (the trial job's is "compute")
-OFFLOAD_STREAM_DEFAULT = "compute"
 #: gradient clipping (``clip_grad_norm_``): the norm reads every gradient, the scaling reads and
 #: writes them: 3 passes over the gradients' bytes
 CLIP_PASSES = 3
@@ -256,7 +235,7 @@ def step_time(
     ``clip``: gradients clipped by norm before the step. Paged optimizer states' migration is
     added where the budget is known (``autotune.estimator.paging.apply_budget``)."""
     config = zero_equivalent(config)
-    precision = str(config.get("precision", "fp32"))
+    precision = str(setting(config, "precision"))
     half = precision in ("bf16", "fp16")
     wbytes = 2 if half else 4
     peak = gpu.flops_per_s(precision) * matmul_efficiency(gpu)
@@ -266,14 +245,13 @@ def step_time(
     if shape is not None:
         tokens, seq_len = shape.positions, shape.length
     n = max(1, nproc)
-    stage = int(config.get("zero_stage", 0) or 0)
-    quant = str(config.get("quantization", "none") or "none")
+    stage = int(setting(config, "zero_stage") or 0)
+    quant = str(setting(config, "quantization") or "none")
     frozen = quant != "none" or adapts(config)
-    attention = str(config.get("attention", "sdpa"))
-    compiled = compiles(config)
-    optimizer = str(config.get("optimizer", "adamw"))
+    attention = str(setting(config, "attention"))
+    optimizer = str(setting(config, "optimizer"))
 
-    # --- per micro-batch: forward, backward, recompute -----------------------------------------
+    # --- per micro-batch: forward, backward ----------------------------------------------------
     per_layer_mm = st.layer_matrix_params + st.expert_params * max(1, st.top_k) // max(
         1, st.experts
     )
@@ -293,82 +271,48 @@ def step_time(
             kernel = "sdpa_masked"  # packed or padded rows: sdpa gets a mask
         attn_fwd = attn_fwd_flops / 2 / (peak * FLASH_EFFICIENCY.get(kernel, 1.0))
         attn_bwd = 2.5 * attn_fwd
-    passes = COMPILED_ELEMENTWISE_PASSES if compiled else ELEMENTWISE_PASSES
-    elementwise = passes * layer_act_bytes * st.layers / hbm
     dequant = 0.0
     if quant != "none":
         qbytes = QUANT_BYTES.get(quant, 1.0)
         quantized = st.linear_params  # not the experts
         dequant = 2 * (qbytes + 2) * quantized / hbm  # forward and backward, read + write
-    bwd = bwd_mm + attn_bwd + 2 * elementwise / 3 + dequant / 2
-    ckpt = str(config.get("gradient_checkpointing", "off"))
-    # checkpointing recomputes the forward of 1 in ``every`` layers
-    rc = (
-        0.0
-        if ckpt == "off"
-        else 1 / (1 if ckpt == "full" else int(config.get("checkpoint_every", 2)))
+    step = SpeedStep(
+        config=config,
+        stats=st,
+        gpu=gpu,
+        nproc=n,
+        accum=accum,
+        tokens=tokens,
+        seq_len=seq_len,
+        half=half,
+        wbytes=wbytes,
+        peak=peak,
+        hbm=hbm,
+        pcie=gpu.pcie_gbps * GB * PCIE_EFFICIENCY,
+        link=gpu.interconnect_gbps * GB * COMM_EFFICIENCY,
+        layer_act_bytes=layer_act_bytes,
+        fwd_mm=fwd_mm,
+        bwd_mm=bwd_mm,
+        attn_fwd=attn_fwd,
+        attn_bwd=attn_bwd,
+        dequant=dequant,
+        elementwise_passes=ELEMENTWISE_PASSES,
+        offloaded_activations=offloaded_activations,
+        per_tensor_ops=TENSOR_STEP_OPS.get(optimizer, 0),
     )
-    # what a checkpointed layer saves per op it does not recompute; chunked cross-entropy runs
-    # the LM head's matmul again in backward
-    save = saved_ops(config)
-    head_flops = 2 * tokens * st.vocab * st.hidden
-    recompute_compute = rc * (
-        (0.0 if save == "matmuls" else fwd_mm) + (0.0 if save != "none" else attn_fwd)
-    ) + (_roof(head_flops, wbytes * st.vocab * st.hidden, peak, hbm) if is_chunked(config) else 0.0)
-    recompute_memory = rc * (elementwise / 3 + dequant / 2)
-    fwd_all = (
-        fwd_mm + attn_fwd + elementwise / 3 + dequant / 2 + recompute_compute + recompute_memory
-    )
-
-    # --- ZeRO communication per micro-batch and per step ---------------------------------------
-    link = gpu.interconnect_gbps * GB * COMM_EFFICIENCY
-    ring = (n - 1) / n
+    # recomputation, fused kernels, launches; then communication and host copies on top
+    REGISTRY.kernel_terms(step)
+    REGISTRY.speed_terms(step)
+    bwd = step.bwd
     psi = st.n_params
-    comm_micro_exposed = 0.0
-    comm_step = 0.0
-    if n > 1:
-        if stage == 0:  # DDP: fp32 gradients all-reduced once, in buckets during backward
-            comm_step = max(0.0, 2 * ring * 4 * psi / link - bwd)
-        elif stage in (1, 2):
-            reduce = ring * wbytes * psi / link
-            comm_micro_exposed = max(0.0, reduce - bwd) if stage == 2 else 0.0
-            comm_step = ring * wbytes * psi / link + (reduce if stage == 1 else 0.0)
-        else:  # gathers in forward and backward, reduce-scatter in backward, all prefetched
-            gather = ring * wbytes * psi / link
-            comm_micro_exposed = max(0.0, gather - fwd_all) + max(0.0, 2 * gather - bwd)
-
-    # --- CPU offload ----------------------------------------------------------------------------
-    pcie = gpu.pcie_gbps * GB * PCIE_EFFICIENCY
-    offload = 0.0
-    off_opt = config.get("offload_optimizer", "none") == "cpu" and stage >= 1
-    off_param = config.get("offload_param", "none") == "cpu" and stage >= 3
-    shard = psi / n
-    if off_opt:
-        # copied out in the reduction hooks on the compute stream, every micro-batch; after the
-        # first, the host's fp32 sums go up and back to be added on the GPU
-        grads_down = wbytes * shard / pcie
-        offload += accum * grads_down
-        if stage < 3:  # stage 3 adds each micro-batch's gradients on the host instead
-            offload += (accum - 1) * 2 * 4 * shard / pcie
-        offload += CPU_ADAM_BYTES * shard / (HOST_MEMORY_GBPS * GB)  # the GPUs of a host share it
-        offload += wbytes * shard / pcie  # updated weights back up
-    if off_param:
-        fetch = wbytes * shard / pcie
-        comm_micro_exposed += max(0.0, fetch - fwd_all) + max(0.0, fetch - bwd)
-    # offloaded activations: out in forward, back in backward, on the compute stream (or, on a
-    # side stream, behind the forward's and the backward's compute)
-    moved = offloaded_activations / pcie
-    if str(config.get("activation_offload_stream", OFFLOAD_STREAM_DEFAULT)) == "side":
-        offload += accum * (max(0.0, moved - fwd_all) + max(0.0, moved - bwd))
-    else:
-        offload += accum * 2 * moved
 
     # --- optimizer step on the device -------------------------------------------------------------
+    off_opt = offloads_optimizer(config)
     step_bytes = OPTIMIZER_STEP_BYTES.get(optimizer, 28) + QUANT_STEP_BYTES.get(optimizer, 0)
     if pure_bf16(config):  # the weight read and written, its gradient read: 2 bytes, not 4
         step_bytes -= PURE16_SAVED_BYTES
     if frozen:
-        rank = int(config.get("lora_rank", 8) or 8)
+        rank = rank_of(config)
         trainable = 2 * rank * (st.layers * (st.layer_matrix_params // max(1, st.hidden)) + 1)
         tensors = 2 * st.layers * 7  # an A and a B per adapted linear
     else:
@@ -377,19 +321,17 @@ def step_time(
     opt_s = 0.0 if off_opt else (step_bytes + (2 if stage >= 1 and half else 0)) * trainable / hbm
     if precision == "fp16" and not frozen:  # loss scaling: unscale and check every gradient
         opt_s += 8 * psi / hbm
-    per_tensor = TENSOR_STEP_OPS.get(optimizer, 0)
-    if steps_in_backward(config):
-        per_tensor = max(per_tensor, SINGLE_TENSOR_STEP_OPS)
     if not off_opt and stage == 0:  # DeepSpeed steps its flat partitions
-        opt_s += tensors * per_tensor * LAUNCH_S
+        opt_s += tensors * step.per_tensor_ops * LAUNCH_S
     if clip:
         opt_s += CLIP_PASSES * (2 if half else 4) * trainable / hbm
 
     # --- the per-step floor: the CPU's launches against the GPU's time per micro-batch ---------
-    gpu_micro = fwd_all + bwd
-    ops = st.layers * (LAYER_OPS_FORWARD * (1 + rc) + LAYER_OPS_BACKWARD)
-    if compiled:
-        ops *= COMPILED_OPS
+    elementwise, recompute_compute = step.elementwise, step.recompute_compute
+    recompute_memory = step.recompute_memory
+    gpu_micro = step.fwd_all + bwd
+    ops = st.layers * (LAYER_OPS_FORWARD * (1 + step.recompute_share) + LAYER_OPS_BACKWARD)
+    ops *= step.ops_factor
     launch = max(0.0, ops * LAUNCH_S - gpu_micro)
 
     return StepTime(
@@ -397,8 +339,8 @@ def step_time(
         memory=accum
         * (elementwise / 3 + dequant / 2 + recompute_memory + 2 * elementwise / 3 + dequant / 2),
         optimizer=opt_s,
-        communication=accum * comm_micro_exposed + comm_step,
-        offload=offload,
+        communication=accum * step.comm_micro_exposed + step.comm_step,
+        offload=step.offload + step.activation_copies,
         launch=accum * launch,
     )
 
@@ -428,7 +370,7 @@ def roofline(
     ``documents``: variable-length data, timed at a typical micro-batch (only its real tokens
     count)."""
     st = stats_of(model_cfg)
-    micro = int(config.get("micro_batch_size", global_batch_size))
+    micro = int(setting(config, "micro_batch_size", global_batch_size))
     shape = None
     if documents is not None:
         shape = micro_shapes(config, seq_len, global_batch_size, documents, nproc)[1]

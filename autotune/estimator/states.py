@@ -41,7 +41,7 @@ from typing import Any
 
 from autotune.estimator.gpus import GpuSpec
 from autotune.models import ModelStats, stats_of
-from trials.techniques import OPTIMIZERS
+from trials.techniques import OPTIMIZERS, setting
 from trials.techniques.adapter import adapted_16bit, adapter_of, adapts, rank_of, targets_of
 from trials.techniques.fsdp import RESHARD, fsdp_mode, offloads_shards, runs_fsdp
 from trials.techniques.micro_batch import micro_and_accumulation
@@ -118,7 +118,7 @@ def model_in_16_bits(config: dict[str, Any]) -> bool:
     """Whether the model itself is 16-bit (no autocast over fp32 weights): DeepSpeed's engine in
     bf16/fp16, FSDP2 in bf16, pure bf16 on any engine, or a frozen 16-bit base under
     adapters."""
-    half = str(config.get("precision", "fp32")) in ("bf16", "fp16")
+    half = str(setting(config, "precision")) in ("bf16", "fp16")
     sixteen = deepspeed_states(config) or pure_bf16(config) or adapted_16bit(config)
     # FSDP2's mixed-precision policy computes on 16-bit copies of the shards and casts the
     # root's inputs: the model runs in 16 bits
@@ -136,7 +136,7 @@ def deepspeed_states(config: dict[str, Any]) -> bool:
     bits, fp32 master copies beside it): the job runs DeepSpeed
     (``trials.techniques.zero.runs_deepspeed``, any ``zero_stage``, 0 included), or the traced
     estimator's marker ``deepspeed``."""
-    return bool(config.get("deepspeed")) or runs_deepspeed(config)
+    return bool(setting(config, "deepspeed")) or runs_deepspeed(config)
 
 
 @dataclass
@@ -259,12 +259,12 @@ def _ipg_bucket(config: dict[str, Any], stage: int, wbytes: int) -> int:
     dtype, made whole whatever the model's size (``setup_buckets`` in stage_1_and_2.py, with a
     second one when ``overlap_comm``; stage3.py makes one in ``_setup_for_real_optimizer``).
     Stages 1-2 make it only with ``contiguous_gradients`` (DeepSpeed's default)."""
-    elements = int(config.get("reduce_bucket_size", DS_REDUCE_BUCKET))
+    elements = int(setting(config, "reduce_bucket_size", DS_REDUCE_BUCKET))
     if stage == 3:
         return wbytes * elements
-    if not config.get("contiguous_gradients", True):
+    if not setting(config, "contiguous_gradients", True):
         return 0
-    return (2 if config.get("overlap_comm", False) else 1) * wbytes * elements
+    return (2 if setting(config, "overlap_comm", False) else 1) * wbytes * elements
 
 
 def _stage3_knobs(config: dict[str, Any]) -> tuple[int, int, int]:
@@ -312,12 +312,12 @@ def model_states(
     psi = st.n_params
     n = max(1, int(nproc))
     per_host = max(1, n // max(1, nodes))
-    opt = str(config.get("optimizer", "adamw"))
-    precision = str(config.get("precision", "fp32"))
-    stage = int(config.get("zero_stage", 0) or 0)
-    off_opt = config.get("offload_optimizer", "none") == "cpu" and stage >= 1
-    off_param = config.get("offload_param", "none") == "cpu" and stage >= 3
-    quant = str(config.get("quantization", "none") or "none")
+    opt = str(setting(config, "optimizer"))
+    precision = str(setting(config, "precision"))
+    stage = int(setting(config, "zero_stage") or 0)
+    off_opt = setting(config, "offload_optimizer") == "cpu" and stage >= 1
+    off_param = setting(config, "offload_param") == "cpu" and stage >= 3
+    quant = str(setting(config, "quantization") or "none")
     load_copy = 4 * psi * per_host  # each process builds the fp32 model on the host first
 
     if quant != "none":
@@ -373,7 +373,7 @@ def model_states(
             host = _host(HOST_OPTIMIZER_BYTES * psi * per_host // n, load_copy)
         else:
             host = _host(0, load_copy)
-        elements = int(config.get("reduce_bucket_size", DS_REDUCE_BUCKET))
+        elements = int(setting(config, "reduce_bucket_size", DS_REDUCE_BUCKET))
         phases, host_rank = _phases12(
             stage, st, part, wbytes, mbytes, optim, (bucket, elements), off_opt, cuda
         )
@@ -433,7 +433,7 @@ def _deepspeed_without_zero(
     boundary, ``allreduce_gradients`` flattens the gradients into one buffer (up to 5e8
     elements) even on one rank. Every rank holds all of it."""
     psi = st.n_params
-    half = str(config.get("precision", "fp32")) in ("bf16", "fp16")
+    half = str(setting(config, "precision")) in ("bf16", "fp16")
     wbytes = 2 if half else 4
     weights = wbytes * psi + (4 * psi if half else 0)
     grads = wbytes * psi
@@ -651,7 +651,7 @@ def _phases3(
     # the CPU backend gloo copies that input for the reduce-scatter itself. Under offload
     # ``partition_grads`` takes the norms then (from a device copy of the host partition on a
     # GPU); without, the step does, once the buffer is gone.
-    bucket_elements = int(config.get("reduce_bucket_size", DS_REDUCE_BUCKET))
+    bucket_elements = int(setting(config, "reduce_bucket_size", DS_REDUCE_BUCKET))
     offload_norm = norm + (wbytes * sliced if cuda else 0)
     first = _first_overflow(st, bucket_elements)
     if off_opt and first is not None:
@@ -721,13 +721,13 @@ def fsdp_held(
     backward. Offloaded: shards, gradients and states on the host, the step there too."""
     psi = st.n_params
     pure = pure_bf16(config)
-    w = 2 if str(config.get("precision", "fp32")) in ("bf16", "fp16") else 4
+    w = 2 if str(setting(config, "precision")) in ("bf16", "fp16") else 4
     m = 2 if pure else 4  # the shards' (and their gradients') bytes, the reduce dtype's
     block = st.layer_params
     root = psi - st.layers * block
     offloaded = offloads_shards(config)
     shards = 0 if offloaded else m * psi // n
-    opt = str(config.get("optimizer", "adamw"))
+    opt = str(setting(config, "optimizer"))
     optim = 0 if offloaded else model_optimizer_bytes(st, opt, pure) // n
     grads_kept = 0 if offloaded or accum == 1 else m * psi // n  # reduced each micro-batch
     reduced = 0 if offloaded else m * (psi - root) // n  # every block's reduced gradient shard
@@ -752,7 +752,7 @@ def fsdp_held(
         held["parameters"] += gathered + blocks_fwd
         # the head's gradient: beside the logits' only under chunked cross-entropy (summed
         # slice by slice); the full loss's logits gradients are gone before the head's backward
-        chunked = str(config.get("cross_entropy", "full")) == "chunked"
+        chunked = str(setting(config, "cross_entropy")) == "chunked"
         head = w * st.vocab * st.hidden if moment == "start of backward" and chunked else 0
         held["gradients"] = grads_kept + head
     elif moment == "first layer's backward":
@@ -907,7 +907,7 @@ def _adapted(st: ModelStats, config: dict[str, Any], opt: str, load_copy: int) -
 def _quantized(
     st: ModelStats, config: dict[str, Any], quant: str, opt: str, precision: str, load_copy: int
 ) -> ModelStates:
-    r = int(config.get("lora_r", DEFAULT_LORA_R))
+    r = int(setting(config, "lora_r", DEFAULT_LORA_R))
     quantized, lora_shapes, lora, rows = _lora(st, r)
     key = (id(st), f"lora{r}:{opt}")
     if key not in _STATE_BYTES:

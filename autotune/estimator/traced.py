@@ -44,7 +44,7 @@ from autotune.estimator.states import (
 from autotune.models import stats_of
 from trials.data import Documents, Shape, micro_shapes
 from trials.memory import host_scope
-from trials.techniques import OPTIMIZERS, PRECISIONS, REGISTRY
+from trials.techniques import OPTIMIZERS, PRECISIONS, REGISTRY, setting
 from trials.techniques.adapter import adapted_16bit, adapts
 from trials.techniques.compile import compiles
 from trials.techniques.fsdp import runs_fsdp
@@ -346,14 +346,14 @@ def trace_step(
     # Micro-batches after the second repeat the second one's memory exactly (gradients already
     # allocated, same activations), so two stand for any accumulation count.
     accum = min(2, accum)
-    precision = PRECISIONS[config.get("precision", "fp32")]
+    precision = PRECISIONS[setting(config, "precision")]
     deepspeed = deepspeed_states(config)
     # pure bf16 outside DeepSpeed: the model built in bf16, no autocast (as DeepSpeed's 16 bits)
-    model16 = deepspeed or pure_bf16(config) or bool(config.get("model16"))
+    model16 = deepspeed or pure_bf16(config) or bool(setting(config, "model16"))
     # FSDP2 computes on 16-bit copies of its shards (its mixed-precision policy): the model
     # runs in 16 bits as DeepSpeed's does
     model16 = model16 or runs_fsdp(config)
-    opt_name = str(config.get("optimizer", "adamw"))
+    opt_name = str(setting(config, "optimizer"))
     if opt_name == "adamw" and stochastic_rounding(config) and not deepspeed:
         opt_name = "stochastic_adamw"
     vocab = int(model_config["vocab_size"])
@@ -363,7 +363,7 @@ def trace_step(
         tracker,
         host_scope(tracker.host_allocations),
     ):
-        attention = str(config.get("attention", "sdpa"))
+        attention = str(setting(config, "attention"))
         # DeepSpeed's engine runs the model in 16 bits: build it so (``model.to(dtype)`` can't
         # swap parameters under fake tensors)
         dtype = precision.autocast_dtype if model16 else None
@@ -574,10 +574,10 @@ class TracedEstimator(Estimator):
             )
         if parts.get("eager_fallback"):
             notes.append(
-                f"transformers cannot build this model with {config.get('attention')}: traced "
+                f"transformers cannot build this model with {setting(config, 'attention')}: traced "
                 "with eager attention (s x s scores kept)"
             )
-        elif str(config.get("attention")) in TRACED_ATTENTION:
+        elif str(setting(config, "attention")) in TRACED_ATTENTION:
             notes.append(
                 f"{config['attention']} (CUDA only) traced as "
                 f"{TRACED_ATTENTION[str(config['attention'])]}, which keeps the same tensors"
@@ -634,7 +634,7 @@ class TracedEstimator(Estimator):
             # (in backward before that hook too: the logits' gradients)
             # (chunked cross-entropy: at the hook only, the head's gradient being ``fsdp_held``'s
             # beside the slices' logits)
-            chunked = str(config.get("cross_entropy", "full")) == "chunked"
+            chunked = str(setting(config, "cross_entropy")) == "chunked"
             prefixes = ("first_hook:",) if chunked else ("bwd:", "first_hook:")
             hook_peak, hook = max(
                 (_net_of_states(parts, prefix) for prefix in prefixes), key=lambda net: net[0]

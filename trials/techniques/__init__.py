@@ -45,6 +45,7 @@ from trials.techniques.base import FIDELITY_CLASSES, Choice, Config, Knob, Run, 
 from trials.techniques.checkpointing import CHECKPOINTING
 from trials.techniques.optimizer import OPTIMIZERS
 from trials.techniques.precision import PRECISIONS
+from trials.techniques.terms import MemoryStep, SpeedStep
 
 __all__ = [
     "ATTENTION",
@@ -63,6 +64,7 @@ __all__ = [
     "fidelity_class",
     "is_exact",
     "numerics_of",
+    "setting",
 ]
 
 
@@ -146,6 +148,30 @@ class Registry:
             model = technique.apply(model, config, device)
         return model
 
+    # --- the estimators -----------------------------------------------------------------------
+
+    def memory_terms(self, step: MemoryStep) -> None:
+        """Every technique's activation and logits terms, in order (``Technique.memory``)."""
+        for technique in self._techniques:
+            technique.memory(step)
+
+    def moment_terms(self, step: MemoryStep) -> None:
+        """Every technique's moments of the step, in order (``Technique.moments``)."""
+        for technique in self._techniques:
+            technique.moments(step)
+
+    def kernel_terms(self, step: SpeedStep) -> None:
+        """Every technique's change to a micro-batch's kernels, in order
+        (``Technique.kernels``)."""
+        for technique in self._techniques:
+            technique.kernels(step)
+
+    def speed_terms(self, step: SpeedStep) -> None:
+        """Every technique's seconds on top of the micro-batches', in order
+        (``Technique.speed``)."""
+        for technique in self._techniques:
+            technique.speed(step)
+
     def apply_traced(self, model: Any, config: Config, device: Any) -> Any:
         """The techniques the traced estimator's fake step applies, in order."""
         for technique in self._techniques:
@@ -175,6 +201,18 @@ _BUILT_IN: list[Technique] = [
     allocator.TECHNIQUE,
 ]
 REGISTRY = Registry(_BUILT_IN)
+
+
+def setting(config: Config, dimension: str, otherwise: Any = None) -> Any:
+    """The config's value of ``dimension``, or where it has none that dimension's baseline (its
+    technique unused), or for a dimension without one (a size, a stride) ``otherwise``."""
+    value = config.get(dimension)
+    if value is not None:
+        return value
+    knob = REGISTRY.knob(dimension)
+    if knob is not None and knob.baseline is not None:
+        return knob.baseline
+    return otherwise
 
 
 # --- fidelity classes ----------------------------------------------------------------------------

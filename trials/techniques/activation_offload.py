@@ -26,8 +26,17 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from trials.techniques.terms import MemoryStep, SpeedStep
+
 #: smaller saved tensors stay on the device (torchtune's ``min_offload_size``)
 MIN_BYTES = 1024
+
+
+#: how activation offloading copies: "compute" (on the compute stream, as ``save_on_cpu`` and
+#: the trial job's hooks do: not overlapped) or "side" (torchtune's ``OffloadActivations`` with
+#: ``use_streams``: overlapped with compute, exposed only beyond it); a configuration may name it
+#: as ``activation_offload_stream`` (the trial job's is "compute")
+OFFLOAD_STREAM_DEFAULT = "compute"
 
 
 def offloads_activations(config: Config) -> bool:
@@ -145,6 +154,32 @@ class ActivationOffload(Technique):
 
     def apply(self, model: nn.Module, config: Config, device: torch.device) -> nn.Module:
         return offload_activations(model) if offloads_activations(config) else model
+
+    def memory(self, step: MemoryStep) -> None:
+        # what the layers save goes to the host, up to the output layer (with the final norm's
+        # saved tensors; the head's input stays), and backward brings one layer back at a time
+        # (with its recompute); per-op checkpointing's saved ops stay in the checkpoint's own
+        # store, and autocast's cast cache still holds the weight copies the layers save (their
+        # host copies are extra)
+        if not offloads_activations(step.config):
+            return
+        host = step.kept - step.saved_kept + step.final_norm
+        if step.half and not step.model16 and not step.quantized:
+            host += 2 * step.layer_linear * (step.stats.layers - step.n_ckpt)
+        step.host_acts += host
+        step.kept = step.saved_kept
+        step.head_on_host = step.final_norm
+        step.bwd_inputs = step.stream
+
+    def speed(self, step: SpeedStep) -> None:
+        # the offloaded bytes out in forward, back in backward, every micro-batch, on the
+        # compute stream (or, on a side stream, behind the forward's and the backward's compute)
+        moved = step.offloaded_activations / step.pcie
+        if str(step.config.get("activation_offload_stream", OFFLOAD_STREAM_DEFAULT)) == "side":
+            exposed = max(0.0, moved - step.fwd_all) + max(0.0, moved - step.bwd)
+            step.activation_copies = step.accum * exposed
+        else:
+            step.activation_copies = step.accum * 2 * moved
 
     def axolotl(self, config: Config, run: Run) -> dict[str, Any]:
         if not offloads_activations(config):

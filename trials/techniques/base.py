@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from trials.hardware import Hardware
+    from trials.techniques.terms import MemoryStep, SpeedStep
 
 Choice = str | int | float | bool
 Config = Mapping[str, Any]
@@ -143,6 +144,26 @@ class Technique:
 
     def companion(self, config: Config, run: Run) -> dict[str, Any]:
         return {}
+
+    # --- estimator terms (``trials.techniques.terms``), each neutral by default ----------------
+
+    def memory(self, step: MemoryStep) -> None:
+        """Its bytes in the step's activations and logits (first pass, registry order): what
+        it adds to or removes from ``step.kept``, ``step.head_acts``, ``step.logit_tokens``,
+        ``step.host_acts`` ..."""
+
+    def moments(self, step: MemoryStep) -> None:
+        """Its moments of the step (second pass, registry order): the moments it adds,
+        replaces or removes in ``step.moments``, and what the model states hold at each
+        (``step.held``)."""
+
+    def kernels(self, step: SpeedStep) -> None:
+        """How it changes what a micro-batch runs (first pass of the speed terms):
+        recomputation, fused element-wise work, launches."""
+
+    def speed(self, step: SpeedStep) -> None:
+        """Its seconds on top of the micro-batches' (second pass): communication, host
+        copies, a host step."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({', '.join(k.name for k in self.knobs)})"

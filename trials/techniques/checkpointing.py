@@ -21,6 +21,8 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from trials.techniques.terms import MemoryStep, SpeedStep
+
 
 #: ``checkpoint_save`` -> the aten ops whose outputs a checkpointed layer keeps (by op name; the
 #: attention kernels as the CPU and CUDA dispatch them)
@@ -156,6 +158,36 @@ class Checkpointing(Technique):
             )
             out["selective_checkpointing"] = {"save": names}
         return out
+
+    def memory(self, step: MemoryStep) -> None:
+        # a checkpointed layer keeps its input and, selective per op, the saved ops' outputs;
+        # backward recomputes one layer at a time (with autocast's copies of its weights) and
+        # holds the checkpointed layers' inputs until their backward
+        every = every_n_layers(step.config)
+        if every is None:
+            return
+        layers = step.stats.layers
+        step.n_ckpt = layers // every
+        step.saved_kept = step.n_ckpt * step.formulas.saved_op_bytes(
+            step.stats, step.config, step.length, step.micro
+        )
+        step.kept = (
+            step.n_ckpt * step.stream + step.saved_kept + (layers - step.n_ckpt) * step.per_layer
+        )
+        step.recompute = step.per_layer + step.layer_weight_cache
+        step.bwd_inputs = step.n_ckpt * step.stream
+
+    def kernels(self, step: SpeedStep) -> None:
+        # the forward of 1 in ``every`` layers runs again in backward, less the ops whose
+        # outputs a checkpointed layer saves (the matmuls, the attention kernel)
+        every = every_n_layers(step.config)
+        if every is None:
+            return
+        step.recompute_share = 1 / every
+        save = saved_ops(step.config)
+        step.recompute_compute = step.recompute_share * (
+            (0.0 if save == "matmuls" else step.fwd_mm) + (0.0 if save != "none" else step.attn_fwd)
+        )
 
     def companion(self, config: Config, run: Run) -> dict[str, Any]:
         return {

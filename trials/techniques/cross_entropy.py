@@ -25,6 +25,8 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from trials.techniques.terms import MemoryStep, SpeedStep
+
 #: slices of the micro-batch's tokens the loss is computed over (torchtune's default)
 CHUNKS = 8
 IGNORE_INDEX = -100  # transformers' and PyTorch's label to skip
@@ -139,6 +141,26 @@ class CrossEntropy(Technique):
                 "swiglu": False,
             },
         }
+
+    def memory(self, step: MemoryStep) -> None:
+        # one slice's logits at a time, recomputed in backward
+        step.logit_tokens = loss_tokens(step.config, step.tokens)
+        if step.logit_tokens < step.tokens:
+            # the head's weight is used once per slice: autograd sums its slices' gradients in
+            # a buffer before it reaches ``.grad`` (the sum so far and the new slice's: two
+            # head-sized gradients, of the 16-bit weight copy under autocast); and the hidden
+            # states' gradient filled slice by slice
+            grad_bytes = 2 if step.half else 4
+            head_grads = 0 if step.adapted else 2 * grad_bytes * step.head_params  # frozen: none
+            step.bwd_logits_extra += head_grads + 4 * step.stats.hidden * step.tokens
+
+    def kernels(self, step: SpeedStep) -> None:
+        # each slice's logits made again in backward: the LM head's matmul runs once more
+        if not is_chunked(step.config):
+            return
+        st = step.stats
+        flops, nbytes = 2 * step.tokens * st.vocab * st.hidden, step.wbytes * st.vocab * st.hidden
+        step.recompute_compute += max(flops / step.peak, nbytes / step.hbm)
 
     def axolotl(self, config: Config, run: Run) -> dict[str, Any]:
         if not is_chunked(config):

@@ -27,6 +27,8 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from trials.techniques.terms import MemoryStep
+
 #: fsdp choice -> reshard_after_forward
 RESHARD = {"full_shard": True, "shard_grad_op": False}
 
@@ -137,6 +139,22 @@ class Fsdp(Technique):
                 "fsdp_cpu_ram_efficient_loading": True,
             },
         }
+
+    def moments(self, step: MemoryStep) -> None:
+        # the first block's backward (the last recomputed) apart from the root's gradients
+        # reduced at the very end, when no activation is left; a rank's shards and what it
+        # gathers in each phase (``fsdp_held``)
+        if not runs_fsdp(step.config):
+            return
+        step.moments["first layer's backward"] = (0, step.bwd_layers, 0, 0)
+        step.moments["end of backward"] = (0, 0, 0, 0)
+
+        def held(moment: str) -> dict[str, int]:
+            return step.formulas.fsdp_held(
+                step.stats, step.config, step.nproc, moment, step.accum, step.cuda
+            )
+
+        step.held = held
 
     def companion(self, config: Config, run: Run) -> dict[str, Any]:
         return {

@@ -10,6 +10,11 @@ from trials.techniques.zero import zero_stage
 
 if TYPE_CHECKING:
     from trials.hardware import Hardware
+    from trials.techniques.terms import SpeedStep
+
+#: host memory bandwidth CPU-Adam reaches on a training server (DDR4/5, several channels)
+HOST_MEMORY_GBPS = 100.0
+CPU_ADAM_BYTES = 30  # fp32 p, g, m, v read; p, m, v and the 16-bit copy written
 
 
 def offloads_optimizer(config: Config) -> bool:
@@ -62,6 +67,25 @@ class Offload(Technique):
         if offloads_params(config):
             zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
         return {"zero_optimization": zero} if zero else {}
+
+    def speed(self, step: SpeedStep) -> None:
+        # offloaded optimizer: 16-bit gradients to the host over PCIe, copied out in the
+        # reduction hooks on the compute stream every micro-batch (``stage_1_and_2.py``:
+        # ``async_inplace_copy_grad_to_fp32_buffer_from_gpu``), after the first the host's fp32
+        # sums up and back to be added on the GPU (stage 3 adds each micro-batch's on the
+        # host), the CPU-Adam step bounded by the host's memory bandwidth (which the GPUs of a
+        # host share), the updated weights back up; offloaded parameters come up over PCIe
+        # in forward and backward, prefetched
+        shard = step.stats.n_params / step.nproc
+        if offloads_optimizer(step.config):
+            step.offload += step.accum * (step.wbytes * shard / step.pcie)
+            if zero_stage(step.config) < 3:
+                step.offload += (step.accum - 1) * 2 * 4 * shard / step.pcie
+            step.offload += CPU_ADAM_BYTES * shard / (HOST_MEMORY_GBPS * 1e9)
+            step.offload += step.wbytes * shard / step.pcie
+        if offloads_params(step.config):
+            fetch = step.wbytes * shard / step.pcie
+            step.comm_micro_exposed += max(0.0, fetch - step.fwd_all) + max(0.0, fetch - step.bwd)
 
 
 TECHNIQUE = Offload()

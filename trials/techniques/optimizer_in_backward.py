@@ -23,6 +23,12 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from trials.techniques.terms import MemoryStep, SpeedStep
+
+#: launches per parameter tensor when each tensor is stepped alone (torch's single-tensor
+#: AdamW: about 12 ops each)
+SINGLE_TENSOR_STEP_OPS = 12
+
 
 def steps_in_backward(config: Config) -> bool:
     return bool(config.get("optimizer_in_backward", False))
@@ -95,6 +101,34 @@ class OptimizerInBackward(Technique):
             short=lambda v: "opt-in-bwd" if v else "",
         ),
     )
+
+    def moments(self, step: MemoryStep) -> None:
+        # each parameter stepped as its gradient completes, and the gradient freed: no moment
+        # holds every gradient. The output layer's (the largest) is stepped first, once the
+        # logits' gradients are gone and every kept activation still is; in the first layer's
+        # backward one MLP matrix's at most; the embedding's after the layers (DeepSpeed owns
+        # its step: not there)
+        if not steps_in_backward(step.config) or step.deepspeed:
+            return
+        st = step.stats
+        one_grad = min(step.grads, step.gbytes * step.largest)
+        matrix = min(one_grad, step.gbytes * st.hidden * st.intermediate)
+        del step.moments["optimizer step"], step.moments["end of backward"]
+        # the head's 16-bit weight copy (autocast's, saved for its input's gradient) is freed
+        # with the head's backward, before its step
+        head_cache = (
+            2 * step.head_params * (st.layers - step.n_ckpt) // st.layers
+            if step.weight_cache
+            else 0
+        )
+        head_acts_cache = step.acts + max(0, step.cache_in_bwd - head_cache)
+        step.moments["output layer's step"] = (one_grad, head_acts_cache, 0, step.step_temps)
+        step.moments["first layer's backward"] = (matrix, step.bwd_layers, 0, 2 * matrix)
+        step.moments["end of backward"] = (one_grad, 0, 0, step.step_temps)
+
+    def kernels(self, step: SpeedStep) -> None:
+        if steps_in_backward(step.config):  # every tensor stepped alone, as it completes
+            step.per_tensor_ops = max(step.per_tensor_ops, SINGLE_TENSOR_STEP_OPS)
 
     def companion(self, config: Config, run: Run) -> dict[str, Any]:
         # neither TrainingArguments, accelerate nor axolotl has a key for it: the training

@@ -17,9 +17,12 @@ training script.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trials.techniques.base import Config, Knob, Run, Technique
+
+if TYPE_CHECKING:
+    from trials.techniques.terms import MemoryStep
 
 PACKING = "packing"
 
@@ -50,6 +53,13 @@ class Packing(Technique):
             # the sequence, so eager attention's s x s scores can grow
         ),
     )
+
+    def memory(self, step: MemoryStep) -> None:
+        # packed rows: transformers builds one block-causal boolean mask (rows x s x s), which
+        # every layer's attention keeps for backward (FlashAttention-2's varlen path needs none)
+        attention = str(step.config.get("attention", "sdpa"))
+        if step.documents and packs(step.config) and attention != "flash_attention_2":
+            step.head_acts += step.micro * step.length * step.length
 
     def axolotl(self, config: Config, run: Run) -> dict[str, Any]:
         # axolotl's multipack sampler; its rows count in micro_batch_size, and its

@@ -5,9 +5,12 @@ is built in ``trials.zero.deepspeed_config`` from every technique's ``deepspeed`
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trials.techniques.base import Config, Knob, Run, Technique
+
+if TYPE_CHECKING:
+    from trials.techniques.terms import MemoryStep, SpeedStep
 
 
 def runs_deepspeed(config: Config) -> bool:
@@ -25,6 +28,52 @@ class Zero(Technique):
 
     def deepspeed(self, config: Config, run: Run) -> dict[str, Any]:
         return {"zero_optimization": {"stage": zero_stage(config)}}
+
+    def speed(self, step: SpeedStep) -> None:
+        # communication over the GPUs' link, ring algorithms: stage 0 (and data parallelism
+        # without DeepSpeed) all-reduces fp32 gradients once per step, overlapped with
+        # backward; stages 1-2 reduce-scatter 16-bit gradients each micro-batch (overlapped
+        # with backward) and all-gather the updated weights after the step; stage 3 gathers
+        # the weights in forward and in backward and reduce-scatters gradients per
+        # micro-batch, prefetched (overlapped with compute)
+        n = step.nproc
+        if n <= 1:
+            return
+        stage = zero_stage(step.config)
+        ring = (n - 1) / n
+        psi, link, bwd = step.stats.n_params, step.link, step.bwd
+        if stage == 0:
+            step.comm_step = max(0.0, 2 * ring * 4 * psi / link - bwd)
+        elif stage in (1, 2):
+            reduce = ring * step.wbytes * psi / link
+            step.comm_micro_exposed = max(0.0, reduce - bwd) if stage == 2 else 0.0
+            step.comm_step = ring * step.wbytes * psi / link + (reduce if stage == 1 else 0.0)
+        else:
+            gather = ring * step.wbytes * psi / link
+            step.comm_micro_exposed = max(0.0, gather - step.fwd_all) + max(0.0, 2 * gather - bwd)
+
+    def moments(self, step: MemoryStep) -> None:
+        # ZeRO 1-2 make the gradient bucket at the output layer's gradient hook, once the
+        # logits' gradients are gone and every kept activation still is (under stage 3 the
+        # moment holds what the start of backward does, less the logits), and reduce at the
+        # accumulation boundary once backward is over (its own buffers); ZeRO-2 under offload
+        # also where the gradients first overflow the bucket, with the activations of the
+        # layers whose backward is still to come. What a rank holds in each phase: DeepSpeed's
+        # (``zero_states_at``)
+        phases = step.states.phases
+        if phases is None:
+            return
+        layer_acts = step.acts + step.cache_in_bwd
+        step.moments["first gradient hook"] = (step.grads_before, layer_acts, 0, 0)
+        step.moments["accumulation boundary"] = (step.grads, 0, 0, 0)
+        if phases.overflow:
+            held_acts = int(layer_acts * phases.overflow_held)
+            step.moments["bucket overflow"] = (step.grads_before, held_acts, 0, 0)
+
+        def held(moment: str) -> dict[str, int]:
+            return step.formulas.zero_states_at(phases, moment, step.accum)
+
+        step.held = held
 
 
 TECHNIQUE = Zero()
