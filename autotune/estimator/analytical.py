@@ -48,6 +48,7 @@ from autotune.estimator.states import (
     host_with_activations,
     numel,
     pure_outside_deepspeed,
+    qlora_shapes,
     zero_states_at,
 )
 from autotune.models import stats_of
@@ -138,7 +139,8 @@ class AnalyticalEstimator(Estimator):
             # head-sized gradients, of the 16-bit weight copy under autocast); and the hidden
             # states' gradient filled slice by slice
             grad_bytes = 2 if half else 4
-            head_grads = 0 if adapted else 2 * grad_bytes * head_params  # a frozen head: none
+            # a frozen head (adapters, a quantized base with LoRA): none
+            head_grads = 0 if adapted or quantized else 2 * grad_bytes * head_params
             bwd_logits += head_grads + 4 * h * tokens
         if (
             documents is not None
@@ -169,6 +171,8 @@ class AnalyticalEstimator(Estimator):
         largest = st.largest_param
         if adapted:  # the largest trainable tensor: an adapter's
             largest = max(numel(s) for s in adapter_shapes(st, config)[0])
+        elif quantized:  # a quantized base's LoRA adapters (``states.qlora_shapes``)
+            largest = max(numel(s) for s in qlora_shapes(st, config))
         step_temps = (
             step_choice(config).step_temporaries(largest, cuda, pure) if not deepspeed else 0
         )
