@@ -123,7 +123,8 @@ def confirm_winner(
     per_class: dict[str, ClassBest],
 ) -> None:
     """After an estimate study: the best per fidelity class, and the answer - the best full
-    training (exact or mixed precision) - with its traced breakdown next to the analytical one."""
+    training (``exhaustive.HEADLINE_CLASSES``: fp32, mixed precision or pure bf16 / 8-bit
+    states) - with its traced breakdown next to the analytical one."""
     from autotune.display import describe
 
     gpu = study_gpu(settings)
@@ -135,7 +136,10 @@ def confirm_winner(
     for line in frontier_lines(study.user_attrs.get(HOST_FRONTIER, [])):
         console.print(line, markup=False)
     if head is None:
-        console.print("[yellow]no full-training (exact or mixed) configuration fits[/yellow]")
+        console.print(
+            "[yellow]no full-training configuration (fp32, mixed precision or pure bf16) "
+            "fits[/yellow]"
+        )
         return
     kw: dict[str, Any] = {
         "seq_len": settings.seq_len,

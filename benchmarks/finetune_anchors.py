@@ -8,10 +8,14 @@ and the errors. Goals: memory within 10%, speed within 20%, and every rung of to
 cumulative Llama 3.2 3B table moving in the published direction. Not a test (the fast test
 ``tests/test_finetune_anchors.py`` runs its arithmetic on a few rows).
 
-A row's configuration is checked against the estimate space (``search_spaces/estimate.yaml``):
-one the space does not accept (yet) gets no memory prediction and says why ("not expressible");
-its speed is still priced, the speed model reading the configuration's keys. Rows that need pure
-bf16 on the torch engine or LoRA on a bf16 base are predicted as soon as the space accepts them.
+A row's configuration is checked against the estimate space (``search_spaces/estimate.yaml``).
+One the space does not propose is still priced, memory and speed, by the analytical estimator
+directly (the configuration as a trial or ``autotune estimate --config`` would run it), and says
+why the space leaves it out ("outside the estimate space"): LoRA on a bf16 base (the estimate
+space leaves the adapter dimensions out: its grid would be 13 times larger), pure bf16 on the
+torch engine without compile or the step in backward (the space runs every other configuration
+under DeepSpeed or FSDP2, and DeepSpeed's stage 0 keeps fp32 masters), compile beside activation
+offloading (a space rule).
 
 Published peak memory is the caching allocator's (torchtune's ``log_peak_memory_stats``):
 paged optimizer states (unified memory) are not in it, so the prediction compared is the
@@ -280,7 +284,7 @@ def not_expressible(config: dict[str, Any], gpu: str, batch: int) -> str:
 class Prediction:
     row: Row
     tokens_per_s: float
-    memory_gib: float | None  # the allocator's peak; None: not expressible
+    memory_gib: float | None  # the allocator's peak
     why_not: str = ""
     breakdown: dict[str, float] = field(default_factory=dict)
 
@@ -312,10 +316,8 @@ def predict(row: Row) -> Prediction:
     budget = BUDGETS.get(row.label, gpu.memory_bytes)
     paging = apply_budget(est, model, row.config, budget, gpu)
     why = not_expressible(row.config, row.gpu, batch)
-    memory = None
-    if not why:
-        allocator = paging.allocator_peak if paging is not None else est.peak_bytes
-        memory = allocator / GIB
+    allocator = paging.allocator_peak if paging is not None else est.peak_bytes
+    memory = allocator / GIB
     return Prediction(row, est.tokens_per_s, memory, why, dict(est.time_breakdown))
 
 
@@ -355,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         if not r.memory_compared and p.memory_error is not None:
             err += " (not counted)"
         notes = "; ".join(
-            x for x in (r.note, f"not expressible: {p.why_not}" * bool(p.why_not)) if x
+            x for x in (r.note, f"outside the estimate space: {p.why_not}" * bool(p.why_not)) if x
         )
         print(
             f"| {r.label} | {r.gpu} | {r.memory_gib or '-'} | {mem} | {err} "

@@ -518,9 +518,9 @@ MUTANTS: list[Mutant] = [
     Mutant(
         "estimate-headline-exact-only",
         "autotune/estimator/exhaustive.py",
-        'candidates = [per_class[c] for c in ("exact", "mixed") if c in per_class]',
-        'candidates = [per_class[c] for c in ("exact",) if c in per_class]',
-        "the headline ignores mixed precision, naming a slower fp32 configuration",
+        'HEADLINE_CLASSES = ("exact", "mixed", "reduced_state")',
+        'HEADLINE_CLASSES = ("exact",)',
+        "the headline ignores mixed precision and pure bf16, naming a slower fp32 configuration",
         BACKEND,
     ),
     Mutant(

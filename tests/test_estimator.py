@@ -192,7 +192,7 @@ def test_cli_run_llama7b_24gb_without_a_gpu(in_tmp: Path, monkeypatch: pytest.Mo
     answer = out.split("predicted best for NVIDIA GeForce RTX 4090 (full training, ")[1]
     answer = answer.split("tokens/s")[0]
     assert answer.startswith(("mixed)", "exact)")), answer
-    assert "off-opt" in answer or "fsdp-off" in answer, answer
+    assert "off-opt" in answer or "fsdp2-cpu-offload" in answer, answer
     assert "nf4" not in answer and "host memory" in answer
     # adapters are a different training problem: not searched unless --allow adapters
     assert "fidelity class adapters is not searched (--allow adapters includes it)" in out

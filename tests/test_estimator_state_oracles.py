@@ -2,8 +2,9 @@
 paper's 16 bytes per parameter for plain AdamW training, and for LoRA / QLoRA the adapters peft
 actually adds to the transformers model (trainable parameters counted on the model), the linear
 weights the job quantizes (every ``nn.Linear`` but the head, counted on the model), and the bytes
-per weight the papers give: NF4 is 4 bits plus one fp32 absmax per block of 64 (4.5 bits,
-Dettmers et al. 2023, section 3), LLM.int8() 1 byte plus one fp32 scale per output row
+per weight the papers give: NF4 is 4 bits plus one absmax per block of 64, double-quantized
+as bitsandbytes' ``Params4bit`` does by default (8 bits, and an fp32 absmax per 256 blocks:
+4.127 bits, Dettmers et al. 2023, section 3), LLM.int8() 1 byte plus one fp32 scale per output row
 (Dettmers et al. 2022)."""
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def test_qlora_states_match_the_adapted_model(name: str, rank: int) -> None:
     assert lora > 0 and 0 < quantized < total
     frozen_fp32 = 4 * (total - quantized)  # embeddings, norms, biases and the head stay fp32
     for quant, base in (
-        ("nf4", quantized * 4.5 / 8),
+        ("nf4", quantized * (4 + 8 / 64 + 32 / (64 * 256)) / 8),
         ("int8", quantized * 1 + rows * 4),
     ):
         states = model_states(

@@ -51,6 +51,7 @@ from autotune.estimator.states import (
     host_with_activations,
     numel,
     pure_outside_deepspeed,
+    qlora_shapes,
 )
 from autotune.models import stats_of
 from trials.data import Documents, micro_shapes
@@ -121,6 +122,8 @@ class AnalyticalEstimator(Estimator):
         largest = st.largest_param
         if adapted:  # the largest trainable tensor: an adapter's
             largest = max(numel(s) for s in adapter_shapes(st, config)[0])
+        elif quantized:  # a quantized base's LoRA adapters (``states.qlora_shapes``)
+            largest = max(numel(s) for s in qlora_shapes(st, config))
         step = MemoryStep(
             config=config,
             stats=st,

@@ -92,20 +92,32 @@ def best_per_class(scored: list[Scored], tie: float = MODEL_ERROR) -> dict[str, 
     return out
 
 
-def headline(per_class: dict[str, ClassBest]) -> ClassBest | None:
-    """The answer to "how do I train this model": the faster of the best exact and the best
-    mixed-precision configuration (both train the full model with AdamW's update)."""
-    candidates = [per_class[c] for c in ("exact", "mixed") if c in per_class]
+#: the classes of the headline answer: every weight trained with AdamW's update, in fp32, under
+#: mixed precision, or with reduced-precision state (pure bf16 without fp32 masters, 8-bit or
+#: paged states: how torchtune's full fine-tuning recipes run on one card)
+HEADLINE_CLASSES = ("exact", "mixed", "reduced_state")
+
+
+def headline(
+    per_class: dict[str, ClassBest],
+    tie: float = MODEL_ERROR,
+    classes: tuple[str, ...] = HEADLINE_CLASSES,
+) -> ClassBest | None:
+    """The answer to "how do I train this model": the fastest best of ``HEADLINE_CLASSES``; a
+    more faithful class within ``tie`` of it (the speed model cannot tell them apart) wins."""
+    candidates = [per_class[c] for c in classes if c in per_class]
     if not candidates:
         return None
-    return max(candidates, key=lambda c: c.best.estimate.tokens_per_s)
+    fastest = max(c.best.estimate.tokens_per_s for c in candidates)
+    return next(c for c in candidates if c.best.estimate.tokens_per_s >= fastest * (1 - tie))
 
 
 #: host memory sizes machines are built with (GB): the frontier names the smallest that holds
 #: a configuration's host memory
 HOST_SIZES_GB = (16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
-#: the classes that train every weight (all but the adapters')
-FULL_TRAINING = tuple(c for c in FIDELITY_CLASSES if c != "adapters")
+#: the classes the frontier answers for: the headline's, so that each step is what the headline
+#: answers with that much host memory
+FULL_TRAINING = HEADLINE_CLASSES
 
 
 @dataclass
@@ -128,27 +140,38 @@ def host_frontier(
     classes: tuple[str, ...] = FULL_TRAINING,
     tie: float = MODEL_ERROR,
 ) -> list[HostStep]:
-    """The best full-training configuration for each host memory size at which it changes:
-    sizes ascending, each step faster than the one before by more than ``tie`` (the speed
-    model cannot tell closer speeds apart). A configuration over the device budget never
-    appears; one over the host budget (``score``'s ``host_budget_bytes``) neither, so
-    ``--host-memory`` still limits the answer."""
-    on_device = [s for s in scored if s.fits and fidelity_class(s.config) in classes]
-    if not on_device:
-        return []
-    by_size: dict[int, Scored] = {}
-    for s in on_device:
-        size = host_size_gb(s.estimate.host_bytes)
-        best = by_size.get(size)
+    """The headline configuration for each host memory size at which it changes: sizes
+    ascending, each step faster than the one before by more than ``tie`` (the speed model cannot
+    tell closer speeds apart), or as fast and of a more faithful class (``classes`` in order:
+    fp32 master weights where pure bf16 was the answer with less host memory). A configuration
+    over the device budget never appears; one over the host budget (``score``'s
+    ``host_budget_bytes``) neither, so ``--host-memory`` still limits the answer."""
+    by_size: dict[int, dict[str, Scored]] = {}  # the best of each class at each size
+    for s in scored:
+        cls = fidelity_class(s.config) if s.fits else ""
+        if cls not in classes:
+            continue
+        best = by_size.setdefault(host_size_gb(s.estimate.host_bytes), {}).get(cls)
         if best is None or (s.estimate.tokens_per_s, -s.estimate.peak_bytes) > (
             best.estimate.tokens_per_s,
             -best.estimate.peak_bytes,
         ):
-            by_size[size] = s
+            by_size[host_size_gb(s.estimate.host_bytes)][cls] = s
     out: list[HostStep] = []
+    upto: dict[str, Scored] = {}  # the best of each class within the sizes so far
+    last: tuple[float, int] | None = None  # the last step's speed and class rank
     for size in sorted(by_size):
-        s = by_size[size]
-        if out and s.estimate.tokens_per_s <= out[-1].best.estimate.tokens_per_s * (1 + tie):
-            continue
-        out.append(HostStep(size, s))
+        for cls, s in by_size[size].items():
+            if cls not in upto or s.estimate.tokens_per_s > upto[cls].estimate.tokens_per_s:
+                upto[cls] = s
+        head = headline({c: ClassBest(c, upto[c]) for c in classes if c in upto}, tie, classes)
+        assert head is not None
+        tps, rank = head.best.estimate.tokens_per_s, classes.index(head.cls)
+        if (
+            last is None
+            or tps > last[0] * (1 + tie)
+            or (tps >= last[0] * (1 - tie) and rank < last[1])
+        ):
+            out.append(HostStep(size, head.best))
+            last = (tps, rank)
     return out

@@ -904,6 +904,11 @@ def _adapted(st: ModelStats, config: dict[str, Any], opt: str, load_copy: int) -
     )
 
 
+def qlora_shapes(st: ModelStats, config: dict[str, Any]) -> tuple[Shape, ...]:
+    """The trainable shapes of a quantized base's LoRA adapters."""
+    return _lora(st, int(config.get("lora_r", DEFAULT_LORA_R)))[1]
+
+
 def _quantized(
     st: ModelStats, config: dict[str, Any], quant: str, opt: str, precision: str, load_copy: int
 ) -> ModelStates:

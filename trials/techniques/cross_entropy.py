@@ -151,7 +151,9 @@ class CrossEntropy(Technique):
             # head-sized gradients, of the 16-bit weight copy under autocast); and the hidden
             # states' gradient filled slice by slice
             grad_bytes = 2 if step.half else 4
-            head_grads = 0 if step.adapted else 2 * grad_bytes * step.head_params  # frozen: none
+            # a frozen head (adapters, a quantized base with LoRA): none
+            frozen = step.adapted or step.quantized
+            head_grads = 0 if frozen else 2 * grad_bytes * step.head_params
             step.bwd_logits_extra += head_grads + 4 * step.stats.hidden * step.tokens
 
     def kernels(self, step: SpeedStep) -> None:

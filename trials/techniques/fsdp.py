@@ -105,7 +105,7 @@ class Fsdp(Technique):
             ("none", "cpu"),
             baseline="none",
             memory_order=lambda v: {"cpu": 0.0, "none": 1.0}[v],  # offloaded, less on the device
-            short=lambda v: "" if v == "none" else "fsdp-off",
+            short=lambda v: "" if v == "none" else "fsdp2-cpu-offload",
         ),
     )
 

@@ -25,9 +25,10 @@ LORA_RANK = 8
 LORA_ALPHA = 16
 #: stored bytes per quantized base weight, as ``_int8_linear``/``_nf4_linear`` make them
 #: (bitsandbytes: int8 at 1 B plus an fp32 scale per output row, ``ROW_SCALE_BYTES``, LLM.int8();
-#: nf4 at 4 bits in blocks of 64 with an fp32 absmax, no double quant: 4.5 bits, the QLoRA
-#: paper's figure); the analytical estimator's terms
-WEIGHT_BYTES = {"int8": 1.0, "nf4": (4 + 32 / 64) / 8}
+#: nf4 at 4 bits in blocks of 64 with double quantization, ``Params4bit``'s default
+#: ``compress_statistics``: each block's absmax in 8 bits, and an fp32 absmax per 256 blocks,
+#: 4.127 bits, the QLoRA paper's figure, section 3); the analytical estimator's terms
+WEIGHT_BYTES = {"int8": 1.0, "nf4": (4 + 8 / 64 + 32 / (64 * 256)) / 8}
 ROW_SCALE_BYTES = {"int8": 4, "nf4": 0}
 
 
