@@ -14,7 +14,6 @@ __all__ = [
     "Hardware",
     "detected_gpu_key",
     "dimension_unavailable_reason",
-    "gpu_key_for",
     "unavailable_reason",
 ]
 
@@ -49,35 +48,14 @@ def _lookup(table: Mapping[Choice, T], choice: object) -> T | None:
     return next((value for key, value in table.items() if key == choice), None)
 
 
-def gpu_key_for(device_name: str, memory_bytes: int) -> str | None:
-    """The estimator's spec (``autotune.estimator.gpus``) for a CUDA device, from the name
-    ``torch.cuda.get_device_name`` reports and its memory: the known card whose model name is
-    in the device's name (``NVIDIA H100 80GB HBM3`` -> ``h100``), of the closest memory size;
-    None for a card the table does not know (the prior then stays nominal)."""
-    import re
-
-    from autotune.estimator.gpus import GPUS
-
-    def words(text: str) -> list[str]:
-        return re.findall(r"[a-z]+\d+[a-z]*|\d+[a-z]*", text.lower())
-
-    name = device_name.lower()
-    matches = [
-        g
-        for g in GPUS.values()
-        if (model := next((w for w in words(g.name) if any(c.isdigit() for c in w)), None))
-        and re.search(rf"\b{re.escape(model)}\b", name)
-    ]
-    if not matches:
-        return None
-    return min(matches, key=lambda g: abs(g.memory_bytes - memory_bytes)).key
-
-
 def detected_gpu_key(device: int = 0) -> str | None:
-    """``gpu_key_for`` this machine's CUDA device (None without CUDA)."""
+    """The estimator's row (``autotune.estimator.gpus``) of this machine's CUDA device, by the
+    name its driver reports; None without CUDA or for a card no row lists."""
     import torch
+
+    from autotune.estimator.gpus import gpu_for_device
 
     if not torch.cuda.is_available():
         return None
-    props = torch.cuda.get_device_properties(device)
-    return gpu_key_for(props.name, int(props.total_memory))
+    gpu = gpu_for_device(torch.cuda.get_device_properties(device).name)
+    return gpu.key if gpu else None

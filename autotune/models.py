@@ -24,8 +24,8 @@ from autotune.errors import UserError
 class ModelEntry:
     name: str
     config: dict[str, Any]
-    seq_len: int  # default training sequence length for a study
-    global_batch_size: int  # default sequences per optimizer step
+    seq_len: int  # a study's default training sequence length, in tokens
+    global_batch_size: int  # a study's default sequences per optimizer step
     description: str = ""
 
     @property
@@ -34,25 +34,28 @@ class ModelEntry:
 
 
 def _llama(
-    vocab: int,
-    hidden: int,
-    intermediate: int,
-    layers: int,
-    heads: int,
-    kv_heads: int | None = None,
-    max_pos: int = 4096,
+    *,
+    vocab_size: int,
+    hidden_size: int,
+    intermediate_size: int,
+    num_hidden_layers: int,
+    num_attention_heads: int,
+    num_key_value_heads: int | None = None,
+    max_position_embeddings: int = 4096,
     model_type: str = "llama",
     **extra: Any,
 ) -> dict[str, Any]:
+    """A LLaMA-architecture config.json, its sizes named as transformers names them (``extra``:
+    any further keys, as they stand in the published config)."""
     cfg: dict[str, Any] = {
         "model_type": model_type,
-        "vocab_size": vocab,
-        "hidden_size": hidden,
-        "intermediate_size": intermediate,
-        "num_hidden_layers": layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads or heads,
-        "max_position_embeddings": max_pos,
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_hidden_layers,
+        "num_attention_heads": num_attention_heads,
+        "num_key_value_heads": num_key_value_heads or num_attention_heads,
+        "max_position_embeddings": max_position_embeddings,
         "rms_norm_eps": 1e-5,
         "tie_word_embeddings": False,
         "use_cache": False,
@@ -61,16 +64,40 @@ def _llama(
     return cfg
 
 
-def _entry(name: str, cfg: dict[str, Any], description: str, seq: int = 2048) -> ModelEntry:
-    return ModelEntry(name, cfg, seq_len=seq, global_batch_size=32, description=description)
+def _entry(
+    *, name: str, config: dict[str, Any], description: str, seq_len: int = 2048
+) -> ModelEntry:
+    """A published model's row: a study's defaults of ``seq_len`` tokens, 32 sequences a step."""
+    return ModelEntry(
+        name=name, config=config, seq_len=seq_len, global_batch_size=32, description=description
+    )
 
 
-LLAMA2_7B = _llama(32000, 4096, 11008, 32, 32)
-LLAMA2_13B = _llama(32000, 5120, 13824, 40, 40)
-LLAMA2_70B = _llama(32000, 8192, 28672, 80, 64, kv_heads=8)
+LLAMA2_7B = _llama(
+    vocab_size=32000,
+    hidden_size=4096,
+    intermediate_size=11008,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+)
+LLAMA2_13B = _llama(
+    vocab_size=32000,
+    hidden_size=5120,
+    intermediate_size=13824,
+    num_hidden_layers=40,
+    num_attention_heads=40,
+)
+LLAMA2_70B = _llama(
+    vocab_size=32000,
+    hidden_size=8192,
+    intermediate_size=28672,
+    num_hidden_layers=80,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+)
 LLAMA3: dict[str, Any] = {
     "rope_theta": 500000.0,
-    "max_pos": 8192,
+    "max_position_embeddings": 8192,
     "bos_token_id": 128000,
     "eos_token_id": 128001,
 }
@@ -83,87 +110,145 @@ LLAMA31_ROPE: dict[str, Any] = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8192,
 }
-LLAMA31: dict[str, Any] = {**LLAMA3, "max_pos": 131072, "rope_scaling": LLAMA31_ROPE}
+LLAMA31: dict[str, Any] = {
+    **LLAMA3,
+    "max_position_embeddings": 131072,
+    "rope_scaling": LLAMA31_ROPE,
+}
 
 REGISTRY: dict[str, ModelEntry] = {
     e.name: e
     for e in [
         ModelEntry(
-            "tiny-llama",
-            _llama(8192, 256, 688, 4, 4, max_pos=1024),
+            name="tiny-llama",
+            config=_llama(
+                vocab_size=8192,
+                hidden_size=256,
+                intermediate_size=688,
+                num_hidden_layers=4,
+                num_attention_heads=4,
+                max_position_embeddings=1024,
+            ),
             seq_len=128,
             global_batch_size=16,
             description="LLaMA architecture, ~7M parameters, for real CPU trials",
         ),
         ModelEntry(
-            "small-llama",
-            _llama(32000, 512, 1376, 8, 8, max_pos=2048),
+            name="small-llama",
+            config=_llama(
+                vocab_size=32000,
+                hidden_size=512,
+                intermediate_size=1376,
+                num_hidden_layers=8,
+                num_attention_heads=8,
+                max_position_embeddings=2048,
+            ),
             seq_len=512,
             global_batch_size=16,
             description="LLaMA architecture, ~58M parameters, for real CPU trials",
         ),
         # the short names are kept for existing studies: they are Llama 2
-        _entry("llama-7b", LLAMA2_7B, "Llama 2 7B (Touvron et al. 2023)"),
-        _entry("llama-13b", LLAMA2_13B, "Llama 2 13B"),
-        _entry("llama-70b", LLAMA2_70B, "Llama 2 70B (grouped-query attention, 8 KV heads)"),
-        _entry("llama-2-7b", LLAMA2_7B, "meta-llama/Llama-2-7b-hf"),
-        _entry("llama-2-13b", LLAMA2_13B, "meta-llama/Llama-2-13b-hf"),
-        _entry("llama-2-70b", LLAMA2_70B, "meta-llama/Llama-2-70b-hf"),
+        _entry(name="llama-7b", config=LLAMA2_7B, description="Llama 2 7B (Touvron et al. 2023)"),
+        _entry(name="llama-13b", config=LLAMA2_13B, description="Llama 2 13B"),
         _entry(
-            "llama-3-8b",
-            _llama(128256, 4096, 14336, 32, 32, kv_heads=8, **LLAMA3),
-            "meta-llama/Meta-Llama-3-8B",
+            name="llama-70b",
+            config=LLAMA2_70B,
+            description="Llama 2 70B (grouped-query attention, 8 KV heads)",
         ),
+        _entry(name="llama-2-7b", config=LLAMA2_7B, description="meta-llama/Llama-2-7b-hf"),
+        _entry(name="llama-2-13b", config=LLAMA2_13B, description="meta-llama/Llama-2-13b-hf"),
+        _entry(name="llama-2-70b", config=LLAMA2_70B, description="meta-llama/Llama-2-70b-hf"),
         _entry(
-            "llama-3.1-8b",
-            _llama(128256, 4096, 14336, 32, 32, kv_heads=8, **LLAMA31),
-            "meta-llama/Llama-3.1-8B",
-        ),
-        _entry(
-            "llama-3.2-3b",
-            _llama(
-                128256, 3072, 8192, 28, 24, kv_heads=8, **{**LLAMA31, "tie_word_embeddings": True}
+            name="llama-3-8b",
+            config=_llama(
+                vocab_size=128256,
+                hidden_size=4096,
+                intermediate_size=14336,
+                num_hidden_layers=32,
+                num_attention_heads=32,
+                num_key_value_heads=8,
+                **LLAMA3,
             ),
-            "meta-llama/Llama-3.2-3B (tied embeddings)",
+            description="meta-llama/Meta-Llama-3-8B",
         ),
         _entry(
-            "llama-3.2-1b",
-            _llama(
-                128256, 2048, 8192, 16, 32, kv_heads=8, **{**LLAMA31, "tie_word_embeddings": True}
+            name="llama-3.1-8b",
+            config=_llama(
+                vocab_size=128256,
+                hidden_size=4096,
+                intermediate_size=14336,
+                num_hidden_layers=32,
+                num_attention_heads=32,
+                num_key_value_heads=8,
+                **LLAMA31,
             ),
-            "meta-llama/Llama-3.2-1B (tied embeddings)",
+            description="meta-llama/Llama-3.1-8B",
         ),
         _entry(
-            "llama-3-70b",
-            _llama(128256, 8192, 28672, 80, 64, kv_heads=8, **LLAMA3),
-            "meta-llama/Meta-Llama-3-70B",
+            name="llama-3.2-3b",
+            config=_llama(
+                vocab_size=128256,
+                hidden_size=3072,
+                intermediate_size=8192,
+                num_hidden_layers=28,
+                num_attention_heads=24,
+                num_key_value_heads=8,
+                **{**LLAMA31, "tie_word_embeddings": True},
+            ),
+            description="meta-llama/Llama-3.2-3B (tied embeddings)",
         ),
         _entry(
-            "mistral-7b",
-            _llama(
-                32000,
-                4096,
-                14336,
-                32,
-                32,
-                kv_heads=8,
-                max_pos=32768,
+            name="llama-3.2-1b",
+            config=_llama(
+                vocab_size=128256,
+                hidden_size=2048,
+                intermediate_size=8192,
+                num_hidden_layers=16,
+                num_attention_heads=32,
+                num_key_value_heads=8,
+                **{**LLAMA31, "tie_word_embeddings": True},
+            ),
+            description="meta-llama/Llama-3.2-1B (tied embeddings)",
+        ),
+        _entry(
+            name="llama-3-70b",
+            config=_llama(
+                vocab_size=128256,
+                hidden_size=8192,
+                intermediate_size=28672,
+                num_hidden_layers=80,
+                num_attention_heads=64,
+                num_key_value_heads=8,
+                **LLAMA3,
+            ),
+            description="meta-llama/Meta-Llama-3-70B",
+        ),
+        _entry(
+            name="mistral-7b",
+            config=_llama(
+                vocab_size=32000,
+                hidden_size=4096,
+                intermediate_size=14336,
+                num_hidden_layers=32,
+                num_attention_heads=32,
+                num_key_value_heads=8,
+                max_position_embeddings=32768,
                 model_type="mistral",
                 sliding_window=4096,
                 rope_theta=10000.0,
             ),
-            "mistralai/Mistral-7B-v0.1 (GQA, sliding window 4096)",
+            description="mistralai/Mistral-7B-v0.1 (GQA, sliding window 4096)",
         ),
         _entry(
-            "qwen2.5-7b",
-            _llama(
-                152064,
-                3584,
-                18944,
-                28,
-                28,
-                kv_heads=4,
-                max_pos=131072,
+            name="qwen2.5-7b",
+            config=_llama(
+                vocab_size=152064,
+                hidden_size=3584,
+                intermediate_size=18944,
+                num_hidden_layers=28,
+                num_attention_heads=28,
+                num_key_value_heads=4,
+                max_position_embeddings=131072,
                 model_type="qwen2",
                 rms_norm_eps=1e-6,
                 rope_theta=1000000.0,
@@ -171,18 +256,18 @@ REGISTRY: dict[str, ModelEntry] = {
                 eos_token_id=151643,
                 use_sliding_window=False,
             ),
-            "Qwen/Qwen2.5-7B (q/k/v biases)",
+            description="Qwen/Qwen2.5-7B (q/k/v biases)",
         ),
         _entry(
-            "qwen3-8b",
-            _llama(
-                151936,
-                4096,
-                12288,
-                36,
-                32,
-                kv_heads=8,
-                max_pos=40960,
+            name="qwen3-8b",
+            config=_llama(
+                vocab_size=151936,
+                hidden_size=4096,
+                intermediate_size=12288,
+                num_hidden_layers=36,
+                num_attention_heads=32,
+                num_key_value_heads=8,
+                max_position_embeddings=40960,
                 model_type="qwen3",
                 head_dim=128,
                 rms_norm_eps=1e-6,
@@ -190,28 +275,28 @@ REGISTRY: dict[str, ModelEntry] = {
                 bos_token_id=151643,
                 eos_token_id=151645,
             ),
-            "Qwen/Qwen3-8B (q/k norms)",
+            description="Qwen/Qwen3-8B (q/k norms)",
         ),
         _entry(
-            "mixtral-8x7b",
-            _llama(
-                32000,
-                4096,
-                14336,
-                32,
-                32,
-                kv_heads=8,
-                max_pos=32768,
+            name="mixtral-8x7b",
+            config=_llama(
+                vocab_size=32000,
+                hidden_size=4096,
+                intermediate_size=14336,
+                num_hidden_layers=32,
+                num_attention_heads=32,
+                num_key_value_heads=8,
+                max_position_embeddings=32768,
                 model_type="mixtral",
                 num_local_experts=8,
                 num_experts_per_tok=2,
                 rope_theta=1000000.0,
             ),
-            "mistralai/Mixtral-8x7B-v0.1 (MoE: 8 experts, 2 per token)",
+            description="mistralai/Mixtral-8x7B-v0.1 (MoE: 8 experts, 2 per token)",
         ),
         _entry(
-            "gemma-2-9b",
-            {
+            name="gemma-2-9b",
+            config={
                 "model_type": "gemma2",
                 "vocab_size": 256000,
                 "hidden_size": 3584,
@@ -230,26 +315,26 @@ REGISTRY: dict[str, ModelEntry] = {
                 "tie_word_embeddings": True,
                 "use_cache": False,
             },
-            "google/gemma-2-9b (tied embeddings, 256k vocabulary)",
+            description="google/gemma-2-9b (tied embeddings, 256k vocabulary)",
         ),
         _entry(
-            "phi-3-mini",
-            _llama(
-                32064,
-                3072,
-                8192,
-                32,
-                32,
+            name="phi-3-mini",
+            config=_llama(
+                vocab_size=32064,
+                hidden_size=3072,
+                intermediate_size=8192,
+                num_hidden_layers=32,
+                num_attention_heads=32,
                 model_type="phi3",
                 bos_token_id=1,
                 eos_token_id=32000,
                 pad_token_id=32000,
             ),
-            "microsoft/Phi-3-mini-4k-instruct (fused qkv and gate/up)",
+            description="microsoft/Phi-3-mini-4k-instruct (fused qkv and gate/up)",
         ),
         _entry(
-            "pythia-6.9b",
-            {
+            name="pythia-6.9b",
+            config={
                 "model_type": "gpt_neox",
                 "vocab_size": 50432,
                 "hidden_size": 4096,
@@ -261,11 +346,11 @@ REGISTRY: dict[str, ModelEntry] = {
                 "tie_word_embeddings": False,
                 "use_cache": False,
             },
-            "EleutherAI/pythia-6.9b (GPT-NeoX)",
+            description="EleutherAI/pythia-6.9b (GPT-NeoX)",
         ),
         _entry(
-            "gpt2-xl",
-            {
+            name="gpt2-xl",
+            config={
                 "model_type": "gpt2",
                 "vocab_size": 50257,
                 "n_embd": 1600,
@@ -274,8 +359,8 @@ REGISTRY: dict[str, ModelEntry] = {
                 "n_positions": 1024,
                 "use_cache": False,
             },
-            "openai-community/gpt2-xl (1.5B, learned positions, tied embeddings)",
-            seq=1024,
+            description="openai-community/gpt2-xl (1.5B, learned positions, tied embeddings)",
+            seq_len=1024,
         ),
     ]
 }
@@ -667,7 +752,9 @@ def resolve_model(name_or_path: str) -> ModelEntry:
         seq = min(
             2048, int(_transformers_config(cfg, name_or_path).max_position_embeddings or 2048)
         )
-        return ModelEntry(path.stem, cfg, seq_len=seq, global_batch_size=16, description=str(path))
+        return ModelEntry(
+            name=path.stem, config=cfg, seq_len=seq, global_batch_size=16, description=str(path)
+        )
     close = difflib.get_close_matches(name_or_path, list(REGISTRY), n=3, cutoff=0.4)
     hint = f"; did you mean {', '.join(close)}?" if close else ""
     raise UserError(f"unknown model '{name_or_path}'{hint} (known: {', '.join(REGISTRY)})")

@@ -631,22 +631,22 @@ def analytical_predictor(
 ) -> Predictor:
     """The analytical estimator's (peak, tokens/s) for a target GPU, or a nominal CPU."""
     from autotune.estimator.analytical import AnalyticalEstimator
-    from autotune.estimator.gpus import GpuSpec, gpu_spec
+    from autotune.estimator.gpus import GpuSpec, Machine, gpu_spec
 
     gpu = (
         gpu_spec(gpu_key)
         if gpu_key
         else GpuSpec(
-            "cpu",
-            "CPU",
-            0,
-            CPU_PSEUDO_GPU_TFLOPS,
-            CPU_PSEUDO_GPU_TFLOPS,
-            CPU_PSEUDO_GPU_TFLOPS,
-            50.0,
-            50.0,
-            0.0,
-            (0, 0),
+            key="cpu",
+            name="CPU",
+            memory_bytes=0,
+            bf16_tflops=CPU_PSEUDO_GPU_TFLOPS,
+            fp16_tflops=CPU_PSEUDO_GPU_TFLOPS,
+            fp32_tflops=CPU_PSEUDO_GPU_TFLOPS,
+            hbm_gbps=50.0,
+            nvlink_gbps=0.0,
+            sm=(0, 0),
+            machine=Machine(name="CPU", pcie_gbps=50.0, internode_gbps=12.5),
         )
     )
     if nodes > 1:

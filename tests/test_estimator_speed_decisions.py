@@ -172,7 +172,7 @@ def test_zero_offload_prices_the_updated_weights_deepspeed_copies_back(observed:
     nbytes = DTYPE_BYTES[ups[0][0]]
     assert nbytes == 2
     base = gpu_spec("a100-80gb")
-    fast, slow = replace(base, pcie_gbps=32.0), replace(base, pcie_gbps=16.0)
+    fast, slow = (replace(base, machine=replace(base.machine, pcie_gbps=b)) for b in (32.0, 16.0))
     config = {"precision": "bf16", "zero_stage": 2, "offload_optimizer": "cpu"}
     config["micro_batch_size"] = 8
     got = (

@@ -18,7 +18,7 @@ import optuna
 import pytest
 import torch
 
-from autotune.hardware import Hardware, gpu_key_for
+from autotune.hardware import Hardware
 from autotune.runner import SubprocessRunner, merge_ranks, new_trial_dir, trial_env
 from autotune.space import SearchSpace
 from autotune.storage import open_storage
@@ -485,11 +485,3 @@ def test_expandable_segments_is_dropped_on_cpu_with_a_reason() -> None:
     assert any(line.startswith("expandable_segments: needs a CUDA GPU") for line in space.dropped)
     gpu = SearchSpace.load().resolve(8, Hardware("cuda", (9, 0), 1))
     assert "expandable_segments" in {d.name for d in gpu.dimensions}
-
-
-def test_the_prior_uses_the_real_gpu() -> None:
-    gib = 2**30
-    assert gpu_key_for("NVIDIA H100 80GB HBM3", 80 * gib) == "h100"
-    assert gpu_key_for("NVIDIA A100-SXM4-40GB", 40 * gib) == "a100-40gb"
-    assert gpu_key_for("NVIDIA GeForce RTX 4090", 24 * gib) == "rtx4090"
-    assert gpu_key_for("Some Future Card", 24 * gib) is None

@@ -16,7 +16,7 @@ from optuna.samplers import RandomSampler
 from optuna.trial import TrialState
 
 from autotune.estimator.analytical import AnalyticalEstimator
-from autotune.estimator.gpus import GpuSpec, gpu_spec
+from autotune.estimator.gpus import GpuSpec, Machine, gpu_spec
 from autotune.models import REGISTRY
 from autotune.strategy import AutotuneSampler, Observation, analytical_predictor, observations
 
@@ -487,7 +487,18 @@ def test_nodes_price_the_gpu_spanning_them() -> None:
 def test_the_cpu_prior_gives_every_precision_one_nominal_rate() -> None:
     """The CPU prior (gpu_key None) is a nominal device: 1 TFLOPS in every precision, 50 GB/s of
     memory and host link, no NVLink (the estimator given that spec explicitly)."""
-    cpu = GpuSpec("nominal", "a CPU", 0, 1.0, 1.0, 1.0, 50.0, 50.0, 0.0, (0, 0))
+    cpu = GpuSpec(
+        key="nominal",
+        name="a CPU",
+        memory_bytes=0,
+        bf16_tflops=1.0,
+        fp16_tflops=1.0,
+        fp32_tflops=1.0,
+        hbm_gbps=50.0,
+        nvlink_gbps=0.0,
+        sm=(0, 0),
+        machine=Machine(name="a CPU's", pcie_gbps=50.0, internode_gbps=12.5),
+    )
     for nproc in (1, 2):
         predict = analytical_predictor(
             TINY, seq_len=64, global_batch_size=4, nproc=nproc, gpu_key=None
