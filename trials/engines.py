@@ -21,7 +21,7 @@ from trials.cuda import scaler_skipped
 from trials.data import Batch
 from trials.memory import MemoryMonitor, plain_tensors
 from trials.spec import TrialSpec
-from trials.techniques import OPTIMIZERS, PRECISIONS, Run
+from trials.techniques import OPTIMIZERS, PRECISIONS, REGISTRY, Run
 from trials.techniques.fsdp import offloads_shards, runs_fsdp, shard
 from trials.techniques.micro_batch import micro_and_accumulation
 from trials.techniques.offload import offloads_optimizer, offloads_params
@@ -92,6 +92,11 @@ class Engine(ABC):
         self.monitor = monitor
         self.micro, self.accum = micro_and_accumulation(spec.config, spec.global_batch_size)
         self.rank, self.world = world()
+        # what the techniques' rules say cannot run (the search never proposes it; a config
+        # given by hand is refused here with the rule's reason)
+        refused = REGISTRY.refusal(spec.config, self.accum)
+        if refused is not None:
+            raise ValueError(refused)
 
     @abstractmethod
     def step(self, batches: list[Batch]) -> float:
@@ -121,11 +126,6 @@ class TorchEngine(Engine):
         self.optimizer: torch.optim.Optimizer | None = None
         self.in_backward: InBackward | None = None
         if in_backward:
-            if self.accum > 1 or self.scaler is not None:
-                raise ValueError(
-                    "optimizer_in_backward needs the whole batch in one micro-batch and no "
-                    "fp16 loss scaler"
-                )
             self.in_backward = InBackward(
                 trainable,
                 lambda ps: factory(ps, spec.lr),
@@ -233,8 +233,6 @@ class FsdpEngine(TorchEngine):
             )
 
     def wrap(self, model: nn.Module, in_backward: bool) -> nn.Module:
-        if in_backward or self.spec.config.get("precision") == "fp16":
-            raise ValueError("fsdp runs without the optimizer step in backward and without fp16")
         ensure_distributed(self.spec.backend, deepspeed_comm=False)
         # offloaded, the shards are host memory from birth (CPUOffloadPolicy makes them there;
         # on the CPU backend the tracker must not count them against the device while they are

@@ -41,7 +41,7 @@ from trials.techniques import (
     zero,
 )
 from trials.techniques.attention import ATTENTION
-from trials.techniques.base import FIDELITY_CLASSES, Choice, Config, Knob, Run, Technique
+from trials.techniques.base import FIDELITY_CLASSES, Choice, Config, Forbid, Knob, Run, Technique
 from trials.techniques.checkpointing import CHECKPOINTING
 from trials.techniques.optimizer import OPTIMIZERS
 from trials.techniques.precision import PRECISIONS
@@ -54,6 +54,7 @@ __all__ = [
     "PRECISIONS",
     "REGISTRY",
     "Choice",
+    "Forbid",
     "Knob",
     "Registry",
     "Run",
@@ -137,6 +138,28 @@ class Registry:
         """The dimensions whose choices change the numbers a step computes (the others are
         exact): a loss probe is keyed by these choices alone."""
         return tuple(k.name for k in self.knobs() if k.fidelity)
+
+    # --- rules ------------------------------------------------------------------------------
+
+    def forbids(self) -> list[Forbid]:
+        """Every technique's rules, in registry order (the search space inherits them)."""
+        return [rule for technique in self._techniques for rule in technique.forbids]
+
+    def refusal(self, config: Config, accumulation: int) -> str | None:
+        """Why the job cannot run ``config`` with this many accumulation steps: a rule it
+        refuses (``Forbid.job``) or a choice that runs on the whole batch only
+        (``Knob.whole_batch_only``); None when it can."""
+        for rule in self.forbids():
+            if rule.job and rule.holds(config):
+                return rule.why
+        for knob in self.knobs():
+            if (
+                accumulation > 1
+                and knob.name in config
+                and config[knob.name] in knob.whole_batch_only
+            ):
+                return f"{knob.name}={config[knob.name]} needs the whole batch in one micro-batch"
+        return None
 
     # --- the job and the exports ------------------------------------------------------------
 

@@ -105,6 +105,38 @@ class Run:
     lr: float
 
 
+@dataclass(frozen=True, init=False)
+class Forbid:
+    """A combination of choices a technique rules out: the configurations where every named
+    dimension holds one of its listed values. ``why`` says what breaks (the job's refusal
+    quotes it). The search space inherits it (``autotune.space``): the dimension of the rule
+    declared last in the space loses the listed values whenever the others were chosen, as a
+    YAML ``forbid`` rule does; a rule naming a dimension the space lacks does not apply (that
+    dimension keeps its default). ``job``: the trial job refuses the combination too (it cannot
+    run at all; the other rules spare the search what runs but never pays).
+    """
+
+    choices: Mapping[str, tuple[Choice, ...]]
+    why: str
+    job: bool
+
+    def __init__(
+        self, choices: Mapping[str, Choice | Sequence[Choice]], why: str, job: bool = False
+    ) -> None:
+        if len(choices) < 2:
+            raise ValueError("a rule names at least two dimensions")
+        as_tuples = {
+            k: tuple(v) if isinstance(v, list | tuple) else (v,) for k, v in choices.items()
+        }
+        object.__setattr__(self, "choices", as_tuples)
+        object.__setattr__(self, "why", why)
+        object.__setattr__(self, "job", job)
+
+    def holds(self, config: Config) -> bool:
+        """Whether ``config`` is the combination this rule forbids."""
+        return all(k in config and config[k] in v for k, v in self.choices.items())
+
+
 class Technique:
     """One family of training techniques. Subclass it, give ``family`` and ``knobs``, override
     the hooks it needs, and register an instance in ``trials.techniques.REGISTRY``.
@@ -122,6 +154,8 @@ class Technique:
 
     family: str = ""
     knobs: tuple[Knob, ...] = ()
+    #: the combinations it rules out (the space and the job read them through the registry)
+    forbids: tuple[Forbid, ...] = ()
     #: whether the traced estimator applies it too (``autotune.estimator.traced``: a step under
     #: ``FakeTensorMode``, where only what works on fake tensors can run)
     traced: bool = False

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from trials.techniques.base import Config, Knob, Run, Technique
+from trials.techniques.base import Config, Forbid, Knob, Run, Technique
 
 if TYPE_CHECKING:
     import torch
@@ -73,6 +73,17 @@ class Compile(Technique):
             from_bool=(True, False),
             short=lambda v: "compiled" if v else "",
             requires={True: _inductor},
+        ),
+    )
+    forbids = (
+        Forbid(
+            {"quantization": ("int8", "nf4"), COMPILE: True},
+            "torch.compile does not trace bitsandbytes' quantized modules",
+        ),
+        # measured: 2.5x slower, no memory saved
+        Forbid(
+            {"activation_offload": "cpu", COMPILE: True},
+            "activation offloading's saved-tensor hooks break the compiled graphs",
         ),
     )
 

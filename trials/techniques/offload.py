@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from trials.techniques.base import Config, Knob, Run, Technique
+from trials.techniques.base import Config, Forbid, Knob, Run, Technique
 from trials.techniques.zero import zero_stage
 
 if TYPE_CHECKING:
@@ -51,6 +51,22 @@ class Offload(Technique):
             memory_order=_host_first,
             requires={"cpu": _cpu_adam},
             short=lambda v: "" if v == "none" else "off-param",
+        ),
+    )
+    forbids = (
+        Forbid(
+            {
+                "optimizer": (
+                    "adafactor",
+                    "lion",
+                    "adamw_8bit",
+                    "paged_adamw_8bit",
+                    "adamw_torchao_8bit",
+                    "adamw_torchao_4bit",
+                ),
+                "offload_optimizer": "cpu",
+            },
+            "DeepSpeed's offload runs its own CPU Adam (DeepSpeedCPUAdam): no other optimizer",
         ),
     )
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from trials.hardware import needs_bitsandbytes, needs_torchao
-from trials.techniques.base import Config, Knob, Run, Technique
+from trials.techniques.base import Config, Forbid, Knob, Run, Technique
 from trials.techniques.offload import offloads_optimizer
 from trials.techniques.precision import STOCHASTIC_OPTIMIZERS, stochastic_rounding
 from trials.techniques.zero import zero_stage
@@ -293,6 +293,17 @@ class Optimizer(Technique):
                 "adamw_torchao_8bit": needs_torchao,
                 "adamw_torchao_4bit": needs_torchao,
             },
+        ),
+    )
+    forbids = (
+        # not measured under ZeRO: stage 0 only
+        Forbid(
+            {
+                "optimizer": ("paged_adamw_8bit", "adamw_torchao_8bit", "adamw_torchao_4bit"),
+                "zero_stage": (1, 2, 3),
+            },
+            "torchao's and paged bitsandbytes' low-bit states are kept per parameter tensor; "
+            "ZeRO hands a client optimizer its flat partitions instead",
         ),
     )
 
