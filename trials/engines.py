@@ -22,13 +22,14 @@ from trials.data import Batch
 from trials.memory import MemoryMonitor, plain_tensors
 from trials.spec import TrialSpec
 from trials.techniques import OPTIMIZERS, PRECISIONS, REGISTRY, Run
+from trials.techniques.attention import attn_implementation
 from trials.techniques.fsdp import offloads_shards, runs_fsdp, shard
 from trials.techniques.micro_batch import micro_and_accumulation
 from trials.techniques.offload import offloads_optimizer, offloads_params
-from trials.techniques.optimizer import DS_OPTIMIZERS, optimizer_factory
+from trials.techniques.optimizer import DS_OPTIMIZERS, optimizer_factory, optimizer_of
 from trials.techniques.optimizer_in_backward import InBackward, steps_in_backward
-from trials.techniques.precision import model_dtype, pure_bf16, weight_dtype
-from trials.techniques.zero import runs_deepspeed
+from trials.techniques.precision import model_dtype, precision_of, pure_bf16, weight_dtype
+from trials.techniques.zero import partitions_params, runs_deepspeed
 from trials.zero import (
     deepspeed_config,
     device_buffers,
@@ -79,7 +80,7 @@ class Engine(ABC):
         with device:
             return build_model(
                 spec.model_config,
-                spec.config.get("attention", "sdpa"),
+                attn_implementation(spec.config),
                 spec.seed,
                 dtype=model_dtype(spec.config),
             )
@@ -118,7 +119,7 @@ class TorchEngine(Engine):
         self.model = self.wrap(model, in_backward)
         trainable = [p for p in model.parameters() if p.requires_grad]
         factory = optimizer_factory(cfg)
-        precision = PRECISIONS[cfg.get("precision", "fp32")]
+        precision = PRECISIONS[precision_of(cfg)]
         # pure bf16: the model itself is bf16, nothing to autocast
         plain = self.sharded or pure_bf16(cfg)
         self.autocast_dtype = None if plain else precision.autocast_dtype
@@ -227,7 +228,7 @@ class FsdpEngine(TorchEngine):
         with monitor.host_allocations(), torch.device("cpu"):
             return build_model(
                 spec.model_config,
-                spec.config.get("attention", "sdpa"),
+                attn_implementation(spec.config),
                 spec.seed,
                 dtype=model_dtype(spec.config),
             )
@@ -268,9 +269,9 @@ class DeepSpeedEngine(Engine):
     def build(cls, spec: TrialSpec, device: torch.device, monitor: MemoryMonitor) -> nn.Module:
         """In DeepSpeed's weight dtype; ZeRO-3: partitioned layer by layer under zero.Init."""
         cfg = spec.config
-        attention = str(cfg.get("attention", "sdpa"))
-        dtype = weight_dtype(str(cfg.get("precision", "fp32")))
-        if int(cfg.get("zero_stage", 0)) != 3:
+        attention = attn_implementation(cfg)
+        dtype = weight_dtype(precision_of(cfg))
+        if not partitions_params(cfg):
             with device:
                 return build_model(spec.model_config, attention, spec.seed, dtype=dtype)
         ensure_distributed(spec.backend, deepspeed_comm=True)
@@ -296,7 +297,7 @@ class DeepSpeedEngine(Engine):
         self.rank, self.world = world()
         self.ds_config = trial_deepspeed_config(spec)
         trainable = [p for p in model.parameters() if p.requires_grad]
-        optimizer_name = str(cfg.get("optimizer", "adamw"))
+        optimizer_name = optimizer_of(cfg)
         client = (
             None
             if optimizer_name in DS_OPTIMIZERS

@@ -161,6 +161,25 @@ class Registry:
                 return f"{knob.name}={config[knob.name]} needs the whole batch in one micro-batch"
         return None
 
+    def complexity(self, config: Config) -> tuple[int, int]:
+        """The config's (sharding, offloads) summed over its dimensions (``Knob.complexity``)."""
+        shards = offloads = 0
+        for knob in self.knobs():
+            if knob.complexity is not None and knob.name in config:
+                shard, offload = knob.complexity(config[knob.name])
+                shards, offloads = shards + shard, offloads + offload
+        return shards, offloads
+
+    def probe_plain(self, global_batch_size: int) -> dict[str, Choice]:
+        """What a loss probe at this global batch sets beside its numerics (``probe_plain``)."""
+        plain: dict[str, Choice] = {}
+        for knob in self.knobs():
+            if knob.probe_plain and knob.baseline_of is not None:
+                plain[knob.name] = knob.baseline_of((global_batch_size,), global_batch_size)
+            elif knob.probe_plain and knob.baseline is not None:
+                plain[knob.name] = knob.baseline
+        return plain
+
     # --- the job and the exports ------------------------------------------------------------
 
     def apply(self, model: Any, config: Config, device: Any) -> Any:
@@ -168,6 +187,13 @@ class Registry:
         for technique in self._techniques:
             model = technique.apply(model, config, device)
         return model
+
+    def environment(self, config: Config, inherited: dict[str, str]) -> dict[str, str]:
+        """Every technique's environment variables for a CUDA trial (``Technique.environment``)."""
+        env: dict[str, str] = {}
+        for technique in self._techniques:
+            env.update(technique.environment(config, inherited))
+        return env
 
     def apply_traced(self, model: Any, config: Config, device: Any) -> Any:
         """The techniques the traced estimator's fake step applies, in order."""

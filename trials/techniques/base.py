@@ -91,6 +91,15 @@ class Knob:
     #: a dimension that means something only for variable-length data (``trials.data``): the
     #: reason it is dropped on fixed-length data
     needs_documents: str | None = None
+    #: per choice, what "simplest wins" weighs beyond counting the techniques used, as (how far
+    #: it shards the model's states, how many of them it puts in host memory); None: (0, 0)
+    complexity: Callable[[Any], tuple[int, int]] | None = None
+    #: the loss regression's ridge strength for this dimension's lossy choices: the prior belief
+    #: that they do not regress the loss (None: the strategy's default)
+    loss_prior: float | None = None
+    #: a loss probe's config sets this dimension to its plain value (``baseline``, or
+    #: ``baseline_of`` at the probe's batch) beside the numerics choices
+    probe_plain: bool = False
 
 
 @dataclass(frozen=True)
@@ -176,6 +185,11 @@ class Technique:
         return {}
 
     def companion(self, config: Config, run: Run) -> dict[str, Any]:
+        return {}
+
+    def environment(self, config: Config, inherited: Mapping[str, str]) -> dict[str, str]:
+        """Environment variables the trial's processes need from their start on CUDA (the
+        runner sets them; ``inherited``: the runner's own environment)."""
         return {}
 
     def __repr__(self) -> str:

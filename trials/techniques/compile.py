@@ -75,6 +75,8 @@ class Compile(Technique):
             requires={True: _inductor},
         ),
     )
+    # torchao's low-bit AdamW compiles its own step (eager under the CPU tracker, counted as the
+    # allocator counts it): no rule, it runs beside compiled blocks
     forbids = (
         Forbid(
             {"quantization": ("int8", "nf4"), COMPILE: True},

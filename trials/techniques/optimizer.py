@@ -271,6 +271,20 @@ def optimizer_factory(config: Config) -> OptimizerFactory:
     return make
 
 
+def hand_back(ds_config: dict[str, Any], lr: float | str, weight_decay: float | str) -> None:
+    """The DeepSpeed JSON's optimizer section (``Optimizer.deepspeed``) as an export gives it to
+    the user: their learning rate and weight decay (or ``"auto"``), betas and eps left out so
+    AdamW's defaults apply (the trial's, torch's and the Trainer's)."""
+    section = ds_config.get("optimizer")
+    if section is None:
+        return  # a client optimizer: the training script makes it
+    params = section["params"]
+    for key in ("betas", "eps"):
+        params.pop(key)
+    params["lr"] = lr
+    params["weight_decay"] = weight_decay
+
+
 class Optimizer(Technique):
     family = "optimizer"
     knobs = (
