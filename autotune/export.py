@@ -44,6 +44,7 @@ from trials.techniques import REGISTRY, Run
 from trials.techniques.attention import attn_implementation
 from trials.techniques.fsdp import runs_fsdp
 from trials.techniques.micro_batch import micro_and_accumulation
+from trials.techniques.optimizer import hand_back
 from trials.techniques.optimizer_in_backward import steps_in_backward
 from trials.techniques.zero import runs_deepspeed
 
@@ -102,12 +103,11 @@ def deepspeed_config(
     (the Trainer or accelerate fills them from the user's settings) or the user's flags; betas
     and eps are left out, so AdamW's defaults apply (the trial's, torch's and the Trainer's)."""
     ds = zero.deepspeed_config(config, _run(config, settings))
-    if "optimizer" in ds:
-        params = ds["optimizer"]["params"]
-        for key in ("betas", "eps"):
-            params.pop(key)
-        params["lr"] = "auto" if user.lr is None else user.lr
-        params["weight_decay"] = "auto" if user.weight_decay is None else user.weight_decay
+    hand_back(
+        ds,
+        "auto" if user.lr is None else user.lr,
+        "auto" if user.weight_decay is None else user.weight_decay,
+    )
     return ds
 
 

@@ -19,9 +19,9 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, Protocol
 
-from trials.cuda import ALLOC_CONF_ENV, alloc_conf_with
 from trials.lifeline import CONTROLLER_ENV
 from trials.spec import TrialResult, TrialSpec, rank_result_path
+from trials.techniques import REGISTRY
 
 STDERR_TAIL_LINES = 20
 #: the CLI's storage URL variable
@@ -79,11 +79,8 @@ def trial_env(base: dict[str, str], spec: TrialSpec | None) -> dict[str, str]:
             CONTROLLER_ENV: str(os.getpid()),  # the job ends itself if this process dies
         }
     )
-    if spec is not None and spec.backend == "cuda" and "expandable_segments" in spec.config:
-        conf = alloc_conf_with(
-            base.get(ALLOC_CONF_ENV, ""), bool(spec.config["expandable_segments"])
-        )
-        env[ALLOC_CONF_ENV] = conf
+    if spec is not None and spec.backend == "cuda":
+        env.update(REGISTRY.environment(spec.config, base))
     return env
 
 

@@ -113,12 +113,14 @@ class Row:
 
 
 def simplicity(config: dict[str, Any]) -> tuple[int, int, int]:
-    """(techniques used, ZeRO stage, offloads): smaller is simpler. A technique is used where a
-    dimension differs from plain training (its ``Knob.baseline``)."""
+    """(techniques used, sharding, offloads): smaller is simpler. A technique is used where a
+    dimension differs from plain training (its ``Knob.baseline``); sharding and offloads add up
+    its choices' ``Knob.complexity`` (the ZeRO stage; the optimizer's and the parameters'
+    offload)."""
     plain = REGISTRY.baseline()
     used = sum(1 for k, value in plain.items() if k in config and config[k] != value)
-    offloads = sum(config.get(k, "none") != "none" for k in ("offload_optimizer", "offload_param"))
-    return used, int(config.get("zero_stage", 0) or 0), offloads
+    shards, offloads = REGISTRY.complexity(config)
+    return used, shards, offloads
 
 
 @dataclass

@@ -123,6 +123,7 @@ class SearchSpace:
             if not left:
                 raise bad(f"{where} is impossible: it forbids every choice of '{target}'")
             rules.append(Rule({k: v for k, v in cond.items() if k != target}, target, cond[target]))
+        rules += _inherited(dims, rules, bad)
 
         reference = data.get("reference") or {}
         if not isinstance(reference, dict):
@@ -339,6 +340,47 @@ def _rules_within(rules: list[Rule], dims: list[Dimension]) -> list[Rule]:
         if forbidden and all(conditions.values()):
             out.append(Rule(conditions, rule.target, forbidden))
     return out
+
+
+def _inherited(
+    dims: list[Dimension], written: list[Rule], bad: Callable[[str], UserError]
+) -> list[Rule]:
+    """The registered techniques' rules (``Technique.forbids``) over this space, in registry
+    order, after the rules the file writes: each narrowed to the space's choices, the one of its
+    dimensions declared last as the target (as a written rule's); one naming a dimension or
+    choices the space lacks does not apply, and one the file already states (a stored space
+    states them all) is not added twice."""
+    kept = {d.name: d.choices for d in dims}
+    order = list(kept)
+    seen = {_meaning(r) for r in written}
+    out = []
+    for forbid in REGISTRY.forbids():
+        cond = {
+            k: tuple(v for v in vals if v in kept.get(k, ())) for k, vals in forbid.choices.items()
+        }
+        if not all(cond.values()):
+            continue
+        target = max(cond, key=order.index)
+        rule = Rule({k: v for k, v in cond.items() if k != target}, target, cond[target])
+        if _meaning(rule) in seen:
+            continue
+        if set(kept[target]) <= set(rule.forbidden):
+            raise bad(
+                f"no choice of '{target}' is left where {_described(rule.conditions)}: {forbid.why}"
+            )
+        seen.add(_meaning(rule))
+        out.append(rule)
+    return out
+
+
+def _meaning(rule: Rule) -> tuple[frozenset[tuple[str, frozenset[Choice]]], str, frozenset[Choice]]:
+    """What a rule forbids, whatever the order its values are written in."""
+    conditions = frozenset((k, frozenset(v)) for k, v in rule.conditions.items())
+    return conditions, rule.target, frozenset(rule.forbidden)
+
+
+def _described(conditions: Mapping[str, tuple[Choice, ...]]) -> str:
+    return ", ".join(f"{k} is {'/'.join(map(str, v))}" for k, v in conditions.items())
 
 
 def _whole_batch_rules(dims: list[Dimension], global_batch_size: int, source: str) -> list[Rule]:

@@ -56,11 +56,8 @@ Config = dict[str, Any]
 Predictor = Callable[[Config], tuple[float, float]]
 
 
-#: ridge strength per lossy dimension for the loss-regression fit: the prior belief that a
-#: choice does not regress. bf16/fp16 mixed precision with fp32 master weights tracks the fp32
-#: loss closely (Micikevicius et al. 2018), so a regression seen together with another
-#: optimizer or quantization is blamed on that first.
-LOSS_RIDGE_ALPHA: dict[str, float] = {"precision": 1.0}
+#: ridge strength of the loss-regression fit for a lossy dimension whose knob states no
+#: ``loss_prior`` (the prior belief that its choices do not regress the loss)
 LOSS_RIDGE_DEFAULT = 0.05
 #: the crash model (``_crash_penalty``): the share of a crash's suspect choices and pairs
 #: above which a candidate is tried last
@@ -364,9 +361,7 @@ class AutotuneSampler(BaseSampler):
             dtype=int,
         )
         names = {j: k for (k, _), j in self._feature.items()}
-        self._loss_alpha = np.array(
-            [LOSS_RIDGE_ALPHA.get(names[j], LOSS_RIDGE_DEFAULT) for j in self._lossy]
-        )
+        self._loss_alpha = np.array([_loss_prior(names[j]) for j in self._lossy])
         for i, c in enumerate(self.candidates):
             for k, v in c.items():
                 self._x[i, self._feature[(k, repr(v))]] = 1.0
@@ -676,3 +671,10 @@ def record_contenders(study: optuna.Study) -> None:
         return
     count = sampler.contenders(observations(study))
     study.set_user_attr(CONTENDERS_ATTR, {"within": CONTENDER_WITHIN, "count": count})
+
+
+def _loss_prior(dimension: str) -> float:
+    """The loss regression's ridge strength for a dimension's lossy choices."""
+    knob = REGISTRY.knob(dimension)
+    prior = knob.loss_prior if knob is not None else None
+    return LOSS_RIDGE_DEFAULT if prior is None else prior

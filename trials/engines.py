@@ -21,14 +21,15 @@ from trials.cuda import scaler_skipped
 from trials.data import Batch
 from trials.memory import MemoryMonitor, plain_tensors
 from trials.spec import TrialSpec
-from trials.techniques import OPTIMIZERS, PRECISIONS, Run
+from trials.techniques import OPTIMIZERS, PRECISIONS, REGISTRY, Run
+from trials.techniques.attention import attn_implementation
 from trials.techniques.fsdp import offloads_shards, runs_fsdp, shard
 from trials.techniques.micro_batch import micro_and_accumulation
 from trials.techniques.offload import offloads_optimizer, offloads_params
-from trials.techniques.optimizer import DS_OPTIMIZERS, optimizer_factory
+from trials.techniques.optimizer import DS_OPTIMIZERS, optimizer_factory, optimizer_of
 from trials.techniques.optimizer_in_backward import InBackward, steps_in_backward
-from trials.techniques.precision import model_dtype, pure_bf16, weight_dtype
-from trials.techniques.zero import runs_deepspeed
+from trials.techniques.precision import model_dtype, precision_of, pure_bf16, weight_dtype
+from trials.techniques.zero import partitions_params, runs_deepspeed
 from trials.zero import (
     deepspeed_config,
     device_buffers,
@@ -79,7 +80,7 @@ class Engine(ABC):
         with device:
             return build_model(
                 spec.model_config,
-                spec.config.get("attention", "sdpa"),
+                attn_implementation(spec.config),
                 spec.seed,
                 dtype=model_dtype(spec.config),
             )
@@ -92,6 +93,11 @@ class Engine(ABC):
         self.monitor = monitor
         self.micro, self.accum = micro_and_accumulation(spec.config, spec.global_batch_size)
         self.rank, self.world = world()
+        # what the techniques' rules say cannot run (the search never proposes it; a config
+        # given by hand is refused here with the rule's reason)
+        refused = REGISTRY.refusal(spec.config, self.accum)
+        if refused is not None:
+            raise ValueError(refused)
 
     @abstractmethod
     def step(self, batches: list[Batch]) -> float:
@@ -113,7 +119,7 @@ class TorchEngine(Engine):
         self.model = self.wrap(model, in_backward)
         trainable = [p for p in model.parameters() if p.requires_grad]
         factory = optimizer_factory(cfg)
-        precision = PRECISIONS[cfg.get("precision", "fp32")]
+        precision = PRECISIONS[precision_of(cfg)]
         # pure bf16: the model itself is bf16, nothing to autocast
         plain = self.sharded or pure_bf16(cfg)
         self.autocast_dtype = None if plain else precision.autocast_dtype
@@ -121,11 +127,6 @@ class TorchEngine(Engine):
         self.optimizer: torch.optim.Optimizer | None = None
         self.in_backward: InBackward | None = None
         if in_backward:
-            if self.accum > 1 or self.scaler is not None:
-                raise ValueError(
-                    "optimizer_in_backward needs the whole batch in one micro-batch and no "
-                    "fp16 loss scaler"
-                )
             self.in_backward = InBackward(
                 trainable,
                 lambda ps: factory(ps, spec.lr),
@@ -227,14 +228,12 @@ class FsdpEngine(TorchEngine):
         with monitor.host_allocations(), torch.device("cpu"):
             return build_model(
                 spec.model_config,
-                spec.config.get("attention", "sdpa"),
+                attn_implementation(spec.config),
                 spec.seed,
                 dtype=model_dtype(spec.config),
             )
 
     def wrap(self, model: nn.Module, in_backward: bool) -> nn.Module:
-        if in_backward or self.spec.config.get("precision") == "fp16":
-            raise ValueError("fsdp runs without the optimizer step in backward and without fp16")
         ensure_distributed(self.spec.backend, deepspeed_comm=False)
         # offloaded, the shards are host memory from birth (CPUOffloadPolicy makes them there;
         # on the CPU backend the tracker must not count them against the device while they are
@@ -270,9 +269,9 @@ class DeepSpeedEngine(Engine):
     def build(cls, spec: TrialSpec, device: torch.device, monitor: MemoryMonitor) -> nn.Module:
         """In DeepSpeed's weight dtype; ZeRO-3: partitioned layer by layer under zero.Init."""
         cfg = spec.config
-        attention = str(cfg.get("attention", "sdpa"))
-        dtype = weight_dtype(str(cfg.get("precision", "fp32")))
-        if int(cfg.get("zero_stage", 0)) != 3:
+        attention = attn_implementation(cfg)
+        dtype = weight_dtype(precision_of(cfg))
+        if not partitions_params(cfg):
             with device:
                 return build_model(spec.model_config, attention, spec.seed, dtype=dtype)
         ensure_distributed(spec.backend, deepspeed_comm=True)
@@ -298,7 +297,7 @@ class DeepSpeedEngine(Engine):
         self.rank, self.world = world()
         self.ds_config = trial_deepspeed_config(spec)
         trainable = [p for p in model.parameters() if p.requires_grad]
-        optimizer_name = str(cfg.get("optimizer", "adamw"))
+        optimizer_name = optimizer_of(cfg)
         client = (
             None
             if optimizer_name in DS_OPTIMIZERS

@@ -34,6 +34,7 @@ from trials.lifeline import start_lifeline
 from trials.memory import MemoryMonitor, make_monitor
 from trials.spec import TrialResult, TrialSpec, rank_result_path
 from trials.techniques import REGISTRY
+from trials.techniques.attention import attn_implementation
 from trials.techniques.compile import compiles
 from trials.techniques.micro_batch import micro_and_accumulation
 from trials.techniques.packing import packs
@@ -89,7 +90,7 @@ def build(spec: TrialSpec, device: torch.device, monitor: MemoryMonitor) -> nn.M
     device."""
     if builds_on_host(spec.config):
         with monitor.host_allocations(), torch.device("cpu"):
-            return build_model(spec.model_config, spec.config.get("attention", "sdpa"), spec.seed)
+            return build_model(spec.model_config, attn_implementation(spec.config), spec.seed)
     return ENGINES[engine_for(spec.config)].build(spec, device, monitor)
 
 

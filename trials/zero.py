@@ -26,7 +26,7 @@ import torch
 
 from trials.techniques import REGISTRY
 from trials.techniques.base import Config, Run, merge
-from trials.techniques.offload import offloads_optimizer, offloads_params
+from trials.techniques.offload import offloads_optimizer, offloads_params, param_offload
 
 
 def deepspeed_config(config: Config, run: Run) -> dict[str, Any]:
@@ -158,7 +158,7 @@ def zero3_init(ds_config: dict[str, Any], host_allocations: Any) -> Iterator[Non
     import deepspeed
     from transformers.integrations.deepspeed import prevent_arange_dtype_change
 
-    offload = ds_config["zero_optimization"].get("offload_param")
+    offload = param_offload(ds_config)
 
     class _Init(deepspeed.zero.Init):  # type: ignore[misc]
         # ``_post_init_method`` is the hook DeepSpeed's Init overrides to partition a module

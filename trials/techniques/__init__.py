@@ -41,7 +41,7 @@ from trials.techniques import (
     zero,
 )
 from trials.techniques.attention import ATTENTION
-from trials.techniques.base import FIDELITY_CLASSES, Choice, Config, Knob, Run, Technique
+from trials.techniques.base import FIDELITY_CLASSES, Choice, Config, Forbid, Knob, Run, Technique
 from trials.techniques.checkpointing import CHECKPOINTING
 from trials.techniques.optimizer import OPTIMIZERS
 from trials.techniques.precision import PRECISIONS
@@ -55,6 +55,7 @@ __all__ = [
     "PRECISIONS",
     "REGISTRY",
     "Choice",
+    "Forbid",
     "Knob",
     "Registry",
     "Run",
@@ -140,6 +141,47 @@ class Registry:
         exact): a loss probe is keyed by these choices alone."""
         return tuple(k.name for k in self.knobs() if k.fidelity)
 
+    # --- rules ------------------------------------------------------------------------------
+
+    def forbids(self) -> list[Forbid]:
+        """Every technique's rules, in registry order (the search space inherits them)."""
+        return [rule for technique in self._techniques for rule in technique.forbids]
+
+    def refusal(self, config: Config, accumulation: int) -> str | None:
+        """Why the job cannot run ``config`` with this many accumulation steps: a rule it
+        refuses (``Forbid.job``) or a choice that runs on the whole batch only
+        (``Knob.whole_batch_only``); None when it can."""
+        for rule in self.forbids():
+            if rule.job and rule.holds(config):
+                return rule.why
+        for knob in self.knobs():
+            if (
+                accumulation > 1
+                and knob.name in config
+                and config[knob.name] in knob.whole_batch_only
+            ):
+                return f"{knob.name}={config[knob.name]} needs the whole batch in one micro-batch"
+        return None
+
+    def complexity(self, config: Config) -> tuple[int, int]:
+        """The config's (sharding, offloads) summed over its dimensions (``Knob.complexity``)."""
+        shards = offloads = 0
+        for knob in self.knobs():
+            if knob.complexity is not None and knob.name in config:
+                shard, offload = knob.complexity(config[knob.name])
+                shards, offloads = shards + shard, offloads + offload
+        return shards, offloads
+
+    def probe_plain(self, global_batch_size: int) -> dict[str, Choice]:
+        """What a loss probe at this global batch sets beside its numerics (``probe_plain``)."""
+        plain: dict[str, Choice] = {}
+        for knob in self.knobs():
+            if knob.probe_plain and knob.baseline_of is not None:
+                plain[knob.name] = knob.baseline_of((global_batch_size,), global_batch_size)
+            elif knob.probe_plain and knob.baseline is not None:
+                plain[knob.name] = knob.baseline
+        return plain
+
     # --- the job and the exports ------------------------------------------------------------
 
     def apply(self, model: Any, config: Config, device: Any) -> Any:
@@ -171,6 +213,13 @@ class Registry:
         (``Technique.speed``)."""
         for technique in self._techniques:
             technique.speed(step)
+
+    def environment(self, config: Config, inherited: dict[str, str]) -> dict[str, str]:
+        """Every technique's environment variables for a CUDA trial (``Technique.environment``)."""
+        env: dict[str, str] = {}
+        for technique in self._techniques:
+            env.update(technique.environment(config, inherited))
+        return env
 
     def apply_traced(self, model: Any, config: Config, device: Any) -> Any:
         """The techniques the traced estimator's fake step applies, in order."""

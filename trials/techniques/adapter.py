@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from trials.techniques.base import Config, Knob, Run, Technique
+from trials.techniques.base import Config, Forbid, Knob, Run, Technique
 
 if TYPE_CHECKING:
     import torch
@@ -114,6 +114,17 @@ class Adapter(Technique):
             tuple(TARGETS),
             memory_order=lambda v: {"attention": 0.0, "all_linear": 1.0}[v],
             short=str,
+        ),
+    )
+    forbids = (
+        Forbid(
+            {"adapter": ("lora", "dora"), "master_weights": ("bf16", "bf16_stochastic")},
+            "the adapters train in fp32 over the frozen base: no pure bf16 adapters",
+        ),
+        Forbid({"adapter": ("lora", "dora"), "compile": True}, "the adapters train eagerly"),
+        Forbid(
+            {"quantization": ("int8", "nf4"), "adapter": ("lora", "dora")},
+            "an adapter or QLoRA's quantized base (which has its own adapters), not both",
         ),
     )
 

@@ -39,6 +39,7 @@ class Attention(Technique):
             "attention",
             tuple(ATTENTION),
             baseline="sdpa",
+            probe_plain=True,  # the loss probe's kernel: the reference's
             short=str,
             requires={"flash_attention_2": _flash_attn},
         ),

@@ -92,6 +92,15 @@ class Knob:
     #: a dimension that means something only for variable-length data (``trials.data``): the
     #: reason it is dropped on fixed-length data
     needs_documents: str | None = None
+    #: per choice, what "simplest wins" weighs beyond counting the techniques used, as (how far
+    #: it shards the model's states, how many of them it puts in host memory); None: (0, 0)
+    complexity: Callable[[Any], tuple[int, int]] | None = None
+    #: the loss regression's ridge strength for this dimension's lossy choices: the prior belief
+    #: that they do not regress the loss (None: the strategy's default)
+    loss_prior: float | None = None
+    #: a loss probe's config sets this dimension to its plain value (``baseline``, or
+    #: ``baseline_of`` at the probe's batch) beside the numerics choices
+    probe_plain: bool = False
 
 
 @dataclass(frozen=True)
@@ -104,6 +113,38 @@ class Run:
     processes: int
     device: str  # "cpu" | "cuda"
     lr: float
+
+
+@dataclass(frozen=True, init=False)
+class Forbid:
+    """A combination of choices a technique rules out: the configurations where every named
+    dimension holds one of its listed values. ``why`` says what breaks (the job's refusal
+    quotes it). The search space inherits it (``autotune.space``): the dimension of the rule
+    declared last in the space loses the listed values whenever the others were chosen, as a
+    YAML ``forbid`` rule does; a rule naming a dimension the space lacks does not apply (that
+    dimension keeps its default). ``job``: the trial job refuses the combination too (it cannot
+    run at all; the other rules spare the search what runs but never pays).
+    """
+
+    choices: Mapping[str, tuple[Choice, ...]]
+    why: str
+    job: bool
+
+    def __init__(
+        self, choices: Mapping[str, Choice | Sequence[Choice]], why: str, job: bool = False
+    ) -> None:
+        if len(choices) < 2:
+            raise ValueError("a rule names at least two dimensions")
+        as_tuples = {
+            k: tuple(v) if isinstance(v, list | tuple) else (v,) for k, v in choices.items()
+        }
+        object.__setattr__(self, "choices", as_tuples)
+        object.__setattr__(self, "why", why)
+        object.__setattr__(self, "job", job)
+
+    def holds(self, config: Config) -> bool:
+        """Whether ``config`` is the combination this rule forbids."""
+        return all(k in config and config[k] in v for k, v in self.choices.items())
 
 
 class Technique:
@@ -123,6 +164,8 @@ class Technique:
 
     family: str = ""
     knobs: tuple[Knob, ...] = ()
+    #: the combinations it rules out (the space and the job read them through the registry)
+    forbids: tuple[Forbid, ...] = ()
     #: whether the traced estimator applies it too (``autotune.estimator.traced``: a step under
     #: ``FakeTensorMode``, where only what works on fake tensors can run)
     traced: bool = False
@@ -164,6 +207,11 @@ class Technique:
     def speed(self, step: SpeedStep) -> None:
         """Its seconds on top of the micro-batches' (second pass): communication, host
         copies, a host step."""
+
+    def environment(self, config: Config, inherited: Mapping[str, str]) -> dict[str, str]:
+        """Environment variables the trial's processes need from their start on CUDA (the
+        runner sets them; ``inherited``: the runner's own environment)."""
+        return {}
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({', '.join(k.name for k in self.knobs)})"

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from trials.techniques.base import Config, Knob, Run, Technique
+from trials.techniques.base import Config, Forbid, Knob, Run, Technique
 
 if TYPE_CHECKING:
     import torch
@@ -82,6 +82,19 @@ class Compile(Technique):
             from_bool=(True, False),
             short=lambda v: "compiled" if v else "",
             requires={True: _inductor},
+        ),
+    )
+    # torchao's low-bit AdamW compiles its own step (eager under the CPU tracker, counted as the
+    # allocator counts it): no rule, it runs beside compiled blocks
+    forbids = (
+        Forbid(
+            {"quantization": ("int8", "nf4"), COMPILE: True},
+            "torch.compile does not trace bitsandbytes' quantized modules",
+        ),
+        # measured: 2.5x slower, no memory saved
+        Forbid(
+            {"activation_offload": "cpu", COMPILE: True},
+            "activation offloading's saved-tensor hooks break the compiled graphs",
         ),
     )
 

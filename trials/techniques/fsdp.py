@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from trials.techniques.base import Config, Knob, Run, Technique
+from trials.techniques.base import Config, Forbid, Knob, Run, Technique
 
 if TYPE_CHECKING:
     import torch
@@ -106,6 +106,36 @@ class Fsdp(Technique):
             baseline="none",
             memory_order=lambda v: {"cpu": 0.0, "none": 1.0}[v],  # offloaded, less on the device
             short=lambda v: "" if v == "none" else "fsdp2-cpu-offload",
+        ),
+    )
+    forbids = (
+        Forbid(
+            {"precision": "fp16", "fsdp": tuple(RESHARD)},
+            "fsdp runs without fp16 (its loss scaler would need FSDP's sharded scaler)",
+            job=True,
+        ),
+        Forbid(
+            {"optimizer_in_backward": True, "fsdp": tuple(RESHARD)},
+            "fsdp runs without the optimizer step in backward",
+            job=True,
+        ),
+        Forbid(
+            {
+                "optimizer": (
+                    "adafactor",
+                    "adamw_8bit",
+                    "paged_adamw_8bit",
+                    "adamw_torchao_8bit",
+                    "adamw_torchao_4bit",
+                ),
+                "fsdp": tuple(RESHARD),
+            },
+            "FSDP2 steps DTensor shards: torch's Adafactor can't (an in-place pow on a partial "
+            "placement), and bitsandbytes' and torchao's low-bit states are not DTensors",
+        ),
+        Forbid(
+            {"quantization": ("int8", "nf4"), "fsdp": tuple(RESHARD)},
+            "bitsandbytes' quantized parameters are not DTensors",
         ),
     )
 

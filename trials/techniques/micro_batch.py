@@ -48,6 +48,7 @@ class MicroBatch(Technique):
             baseline_of=_whole_batch,
             memory_order=float,  # a bigger micro-batch keeps more activations
             fits_batch=_divides,
+            probe_plain=True,  # the loss probe's whole batch in one step
             short=lambda v: f"mb={v}",
         ),
     )

@@ -3,9 +3,10 @@ DeepSpeedCPUAdam updating there; exact (its AdamW agrees with torch's to ~1e-6 r
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from trials.techniques.base import Config, Knob, Run, Technique
+from trials.techniques.base import Config, Forbid, Knob, Run, Technique
 from trials.techniques.zero import zero_stage
 
 if TYPE_CHECKING:
@@ -38,6 +39,17 @@ def _host_first(v: Any) -> float:
     return {"cpu": 0.0, "none": 1.0}[v]  # offloaded, less on the device
 
 
+def _offloaded(v: Any) -> tuple[int, int]:
+    return 0, int(v != "none")
+
+
+def param_offload(ds_config: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    """The section of a DeepSpeed JSON (``Offload.deepspeed``'s part of it) that keeps ZeRO-3's
+    parameters in host memory; None when they stay on the device."""
+    section: Mapping[str, Any] | None = ds_config.get("zero_optimization", {}).get("offload_param")
+    return section
+
+
 class Offload(Technique):
     family = "offload"
     knobs = (
@@ -46,6 +58,7 @@ class Offload(Technique):
             ("none", "cpu"),
             baseline="none",
             memory_order=_host_first,
+            complexity=_offloaded,
             requires={"cpu": _cpu_adam},
             short=lambda v: "" if v == "none" else "off-opt",
         ),
@@ -54,8 +67,25 @@ class Offload(Technique):
             ("none", "cpu"),
             baseline="none",
             memory_order=_host_first,
+            complexity=_offloaded,
             requires={"cpu": _cpu_adam},
             short=lambda v: "" if v == "none" else "off-param",
+        ),
+    )
+    forbids = (
+        Forbid(
+            {
+                "optimizer": (
+                    "adafactor",
+                    "lion",
+                    "adamw_8bit",
+                    "paged_adamw_8bit",
+                    "adamw_torchao_8bit",
+                    "adamw_torchao_4bit",
+                ),
+                "offload_optimizer": "cpu",
+            },
+            "DeepSpeed's offload runs its own CPU Adam (DeepSpeedCPUAdam): no other optimizer",
         ),
     )
 

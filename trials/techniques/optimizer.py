@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from trials.hardware import needs_bitsandbytes, needs_torchao
-from trials.techniques.base import Config, Knob, Run, Technique
+from trials.techniques.base import Config, Forbid, Knob, Run, Technique
 from trials.techniques.offload import offloads_optimizer
 from trials.techniques.precision import STOCHASTIC_OPTIMIZERS, stochastic_rounding
 from trials.techniques.zero import zero_stage
@@ -271,6 +271,20 @@ def optimizer_factory(config: Config) -> OptimizerFactory:
     return make
 
 
+def hand_back(ds_config: dict[str, Any], lr: float | str, weight_decay: float | str) -> None:
+    """The DeepSpeed JSON's optimizer section (``Optimizer.deepspeed``) as an export gives it to
+    the user: their learning rate and weight decay (or ``"auto"``), betas and eps left out so
+    AdamW's defaults apply (the trial's, torch's and the Trainer's)."""
+    section = ds_config.get("optimizer")
+    if section is None:
+        return  # a client optimizer: the training script makes it
+    params = section["params"]
+    for key in ("betas", "eps"):
+        params.pop(key)
+    params["lr"] = lr
+    params["weight_decay"] = weight_decay
+
+
 class Optimizer(Technique):
     family = "optimizer"
     knobs = (
@@ -293,6 +307,17 @@ class Optimizer(Technique):
                 "adamw_torchao_8bit": needs_torchao,
                 "adamw_torchao_4bit": needs_torchao,
             },
+        ),
+    )
+    forbids = (
+        # not measured under ZeRO: stage 0 only
+        Forbid(
+            {
+                "optimizer": ("paged_adamw_8bit", "adamw_torchao_8bit", "adamw_torchao_4bit"),
+                "zero_stage": (1, 2, 3),
+            },
+            "torchao's and paged bitsandbytes' low-bit states are kept per parameter tensor; "
+            "ZeRO hands a client optimizer its flat partitions instead",
         ),
     )
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from trials.techniques.base import Config, Knob, Run, Technique
+from trials.techniques.base import Config, Forbid, Knob, Run, Technique
 
 if TYPE_CHECKING:
     import torch
@@ -99,6 +99,14 @@ class OptimizerInBackward(Technique):
             memory_order=lambda v: 0.0 if v else 1.0,
             whole_batch_only=(True,),
             short=lambda v: "opt-in-bwd" if v else "",
+        ),
+    )
+    forbids = (
+        Forbid(
+            {"precision": "fp16", "optimizer_in_backward": True},
+            "optimizer_in_backward runs without fp16's loss scaler, which unscales and checks "
+            "every gradient before any step",
+            job=True,
         ),
     )
 

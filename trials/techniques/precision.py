@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trials.hardware import needs_torchao
-from trials.techniques.base import Config, Knob, Run, Technique
+from trials.techniques.base import Config, Forbid, Knob, Run, Technique
 
 if TYPE_CHECKING:
     from trials.hardware import Hardware
@@ -107,6 +107,10 @@ class MixedPrecision(Technique):
             baseline="fp32",
             short=str,
             fidelity={"bf16": "mixed", "fp16": "mixed"},
+            # mixed precision over fp32 master weights tracks the fp32 loss closely
+            # (Micikevicius et al. 2018): a regression seen with another lossy choice is
+            # blamed on that first
+            loss_prior=1.0,
             requires={"bf16": _bf16},
             # fp16 is fine in plain torch on any CPU, but every zero_stage runs DeepSpeed
             requires_with={"fp16": ("zero_stage", _deepspeed_fp16)},
@@ -127,6 +131,32 @@ class MixedPrecision(Technique):
             memory_order=lambda v: {"bf16": 0.0, "bf16_stochastic": 0.5, "fp32": 1.0}[v],
             requires={"bf16_stochastic": needs_torchao},
             probe_needs={"bf16": {"zero_stage": 1}},
+        ),
+    )
+    forbids = (
+        Forbid(
+            {"offload_optimizer": "cpu", "master_weights": "bf16"},
+            "pure bf16's states stay on the device: DeepSpeed's offloaded Adam keeps fp32 moments",
+        ),
+        Forbid(
+            {"zero_stage": 0, "master_weights": ("bf16", "bf16_stochastic")},
+            "DeepSpeed keeps bf16 master weights under ZeRO 1-3 only",
+        ),
+        Forbid(
+            {"zero_stage": (1, 2, 3), "master_weights": "bf16_stochastic"},
+            "stochastic rounding is torchao's step, which DeepSpeed does not run",
+        ),
+        Forbid(
+            {"fsdp": ("full_shard", "shard_grad_op"), "master_weights": "bf16_stochastic"},
+            "stochastic rounding is torchao's step, which FSDP2's DTensor shards do not run here",
+        ),
+        Forbid(
+            {
+                "optimizer": ("adafactor", "lion", "adamw_8bit", "paged_adamw_8bit"),
+                "master_weights": "bf16_stochastic",
+            },
+            "stochastic rounding exists for AdamW and torchao's low-bit AdamW only "
+            "(STOCHASTIC_OPTIMIZERS)",
         ),
     )
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from trials.hardware import needs_bitsandbytes
-from trials.techniques.base import Config, Knob, Run, Technique
+from trials.techniques.base import Config, Forbid, Knob, Run, Technique
 
 if TYPE_CHECKING:
     from trials.hardware import Hardware
@@ -188,6 +188,16 @@ class Quantization(Technique):
             fidelity={"int8": "adapters", "nf4": "adapters", "lora": "adapters"},
             requires={"int8": _quantized_needs, "nf4": _quantized_needs},
             short=lambda v: "" if v == "none" else f"{v}+lora",
+        ),
+    )
+    forbids = (
+        Forbid(
+            {"quantization": ("int8", "nf4"), "master_weights": ("bf16", "bf16_stochastic")},
+            "a quantized base is frozen: its adapters train in fp32, no pure bf16",
+        ),
+        Forbid(
+            {"quantization": ("int8", "nf4"), "zero_stage": 3},
+            "ZeRO-3 does not partition bitsandbytes' quantized weights",
         ),
     )
 

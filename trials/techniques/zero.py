@@ -22,9 +22,22 @@ def zero_stage(config: Config) -> int:
     return int(config.get("zero_stage", 0) or 0)
 
 
+def partitions_params(config: Config) -> bool:
+    """ZeRO-3: the parameters partitioned too (built under ``deepspeed.zero.Init``)."""
+    return runs_deepspeed(config) and zero_stage(config) == 3
+
+
 class Zero(Technique):
     family = "zero"
-    knobs = (Knob("zero_stage", (0, 1, 2, 3), baseline=0, short=lambda v: f"zero{v}" if v else ""),)
+    knobs = (
+        Knob(
+            "zero_stage",
+            (0, 1, 2, 3),
+            baseline=0,
+            short=lambda v: f"zero{v}" if v else "",
+            complexity=lambda v: (int(v or 0), 0),  # a higher stage shards more
+        ),
+    )
 
     def deepspeed(self, config: Config, run: Run) -> dict[str, Any]:
         return {"zero_optimization": {"stage": zero_stage(config)}}
