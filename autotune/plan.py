@@ -21,7 +21,7 @@ from autotune.estimate_backend import (
 from autotune.estimate_cli import MAX_SEQ_LEN, banner
 from autotune.estimator.gpus import GpuSpec, gpu_spec
 from autotune.hardware import Hardware
-from autotune.launchers import launcher_attrs
+from autotune.launchers import LAUNCHERS, launcher_attrs, launcher_of
 from autotune.models import ModelEntry, check_seq_len, resolve_model
 from autotune.space import SearchSpace
 from autotune.study import DEFAULT_ALLOW, GIVEN_OPTIONS, StudySettings
@@ -66,7 +66,7 @@ class RunOptions:
     nproc_per_node: int | None = None
     host_memory: str | None = None
     #: ``--launcher`` and every launcher's own options, by parameter name, as given (None: not)
-    launcher: dict[str, Any] = field(default_factory=dict)
+    launching: dict[str, Any] = field(default_factory=dict)
     #: the fields the user typed (not left at their defaults)
     typed: frozenset[str] = frozenset()
 
@@ -102,14 +102,19 @@ def plan_study(options: RunOptions, say: Callable[[str], None] = lambda line: No
     check_seq_len(o.seq_len, entry.config, entry.name)
     docs = documents_of(o.documents, o.seq_len or entry.seq_len)
     space = SearchSpace.load(o.space_path)
-    launcher = o.launcher.get("launcher")
+    given_launcher = o.launching.get("launcher")
+    if given_launcher is not None and given_launcher not in LAUNCHERS:
+        raise UserError(f"--launcher {printable(given_launcher)}: one of {', '.join(LAUNCHERS)}")
+    chosen = LAUNCHERS[given_launcher or "local"]
+    #: the launchers whose trials run on a cluster's nodes, as options to type
+    remote = " or ".join(f"--launcher {one.name}" for one in LAUNCHERS.values() if one.remote)
     gpus_per_node, gpus, gpu = o.gpus_per_node, o.gpus, o.gpu
     hardware = Hardware.detect(None if o.backend in ("auto", "estimate") else o.backend)
     if hardware.backend == "cuda" and not cuda_available():
-        if launcher != "slurm" or gpu is None:
+        if not chosen.remote or gpu is None:
             raise UserError(
                 "--backend cuda: no CUDA GPU is visible to torch here"
-                + ("; with --launcher slurm name the nodes' GPU with --gpu" if launcher else "")
+                + (f"; with {remote} name the nodes' GPU with --gpu" if given_launcher else "")
             )
         hardware = hardware_for(gpu_spec(gpu), gpus_per_node or gpus or 1)
     gpu_target = None
@@ -131,7 +136,7 @@ def plan_study(options: RunOptions, say: Callable[[str], None] = lambda line: No
     if (
         gpu is not None
         and gpu_target is None
-        and not (hardware.backend == "cuda" and launcher == "slurm")
+        and not (hardware.backend == "cuda" and chosen.remote)
     ):
         raise UserError(
             f"--gpu {printable(gpu)} names the GPU that --backend estimate predicts for (or the "
@@ -146,17 +151,17 @@ def plan_study(options: RunOptions, say: Callable[[str], None] = lambda line: No
         {"name": "local"}
         if gpu_target
         else launcher_attrs(
-            {}, **o.launcher, gpus_per_node=per_node if hardware.backend == "cuda" else 0
+            {}, o.launching, gpus_per_node=per_node if hardware.backend == "cuda" else 0
         )
     )
     if (
         gpu_target is None
         and nodes > 1
         and hardware.backend == "cuda"
-        and (launcher_settings["name"] == "local")
+        and not launcher_of(launcher_settings).remote
     ):
         raise UserError(
-            f"--nodes {nodes} on CUDA: nodes are the cluster's; use --launcher slurm "
+            f"--nodes {nodes} on CUDA: nodes are the cluster's; use {remote} "
             "(the local launcher simulates nodes with CPU processes only)"
         )
     ranks = nodes * per_node
@@ -182,10 +187,10 @@ def plan_study(options: RunOptions, say: Callable[[str], None] = lambda line: No
         nodes=nodes,
         documents=docs.stored() if docs else None,
         launcher=launcher_settings,
-        # default: this machine's memory; unlimited for predictions and for Slurm jobs (the
-        # nodes' memory is not this login node's: --host-memory gives it)
+        # default: this machine's memory; unlimited for predictions and for a cluster's jobs
+        # (Slurm: the nodes' memory is not this login node's: --host-memory gives it)
         host_budget_bytes=host_limit
-        or (0 if gpu_target or launcher_settings["name"] == "slurm" else machine_memory()),
+        or (0 if gpu_target or launcher_of(launcher_settings).remote else machine_memory()),
     )
     name = o.study_name or settings.default_study_name()
     check_study_name(name)

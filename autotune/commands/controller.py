@@ -22,14 +22,7 @@ from autotune.errors import EnvironmentFailure
 from autotune.estimate_backend import runner_for
 from autotune.finalists import remeasure
 from autotune.ladder import ladder_cells, run_ladder
-from autotune.launchers import (
-    Adoption,
-    SlurmRunner,
-    adopt,
-    concurrency,
-    launcher_attrs,
-    make_runner,
-)
+from autotune.launchers import concurrency, launcher_attrs, make_runner
 from autotune.lossguard import Prober, ProbeSettings
 from autotune.pending import PENDING_DIR, PendingResults
 from autotune.progress import StudyProgress
@@ -79,19 +72,15 @@ def optimize(
     for number, where in objective.replay_pending():
         kept_as = "" if where == number else f" as trial {where}"
         console.print(f"stored the kept measurement of trial #{number}{kept_as}", markup=False)
-    # Slurm jobs a previous controller left running are collected into their trials
-    adopted = (
-        adopt(
-            study,
-            open_storage(storage_url),
-            Objective(study, space, runner, *_prober(settings, launched)),
-            TrialCrashed,
-        )
-        if isinstance(launched, SlurmRunner)
-        else Adoption()
+    # jobs a previous controller left running (Slurm's) are collected into their trials
+    adopted = launched.adopt(
+        study,
+        lambda: open_storage(storage_url),
+        lambda: Objective(study, space, runner, *_prober(settings, launched)),
+        TrialCrashed,
     )
     for number in adopted.numbers:
-        console.print(f"collecting trial #{number}: its Slurm job is still known to the cluster")
+        console.print(f"collecting trial #{number}: {adopted.why}")
     # workers draw trials; queueing the reference is the job of run/resume. Predictions have
     # no loss curve, so an estimate study has no reference and no loss guard.
     if not worker and settings.backend != "estimate":
@@ -103,9 +92,8 @@ def optimize(
     with StudyProgress(study, console, n_trials).running() as progress:
         if objective.prober is not None:
             objective.prober.say = progress.say
-        stopping = launched.stopping if isinstance(launched, SlurmRunner) else None
         try:
-            with _terminate_as_interrupt(stopping):
+            with _terminate_as_interrupt(launched.stopping):
                 if n_trials:
                     _optimize_loop(
                         study, objective, n_trials, timeout, settings.launcher, progress.callback
@@ -239,9 +227,8 @@ def _confirm_finalists(
     say: Callable[[str], None] | None = None,
 ) -> None:
     """Re-measure side by side, interleaved, the fastest configurations of each class."""
-    stopping = runner.stopping if isinstance(runner, SlurmRunner) else None
     try:
-        with _terminate_as_interrupt(stopping):
+        with _terminate_as_interrupt(runner.stopping):
             ran = remeasure(study, runner, settings_of(study).confirm_rounds, say)
     except KeyboardInterrupt:
         click.echo(
@@ -320,7 +307,7 @@ def relaunch(study: optuna.Study, given: dict[str, Any]) -> StudySettings:
         return settings
     gpus = settings.nproc // settings.nodes if settings.backend == "cuda" else 0
     stored = settings.launcher or {"name": "local"}  # studies made before launchers existed
-    settings.launcher = launcher_attrs(stored, gpus_per_node=gpus, **given)
+    settings.launcher = launcher_attrs(stored, given, gpus_per_node=gpus)
     if settings.launcher != stored:
         study.set_user_attr("settings", settings.to_attrs())
     return settings

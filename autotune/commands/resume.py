@@ -7,17 +7,17 @@ from typing import Any
 import click
 
 from autotune.commands.controller import climb, optimize, relaunch
-from autotune.commands.options import storage_option, timeout_option, trial_timeout_option
+from autotune.commands.options import LaunchingCommand, controller_options
 from autotune.commands.output import answer, console
-from autotune.launchers import launcher_options
+from autotune.launchers import launcher_of
 from autotune.pending import PENDING_DIR
 from autotune.space import SearchSpace
 from autotune.storage import open_storage
 from autotune.study import load_existing, workdir_for
 
 
-@click.command()
-@click.option("--study", "study_name", required=True)
+@click.command(cls=LaunchingCommand)
+@controller_options
 @click.option(
     "--trials",
     "n_trials",
@@ -26,11 +26,7 @@ from autotune.study import load_existing, workdir_for
     show_default=True,
     help="0 with --ladder: only the ladder.",
 )
-@storage_option
-@trial_timeout_option
-@timeout_option
 @click.option("--ladder", is_flag=True, help="Then measure the missing rungs of the ladder.")
-@launcher_options
 @click.option("--table", is_flag=True, help="Print every trial's row before the answer.")
 def resume(
     study_name: str,
@@ -51,7 +47,7 @@ def resume(
     console.print(f"resuming study '{study_name}': {len(study.trials)} trials so far", markup=False)
     # measurements an earlier run kept (``autotune.pending``) are stored by ``_optimize``
     kept = any((workdir_for(study) / PENDING_DIR).glob("trial-*.json"))
-    if n_trials or kept or settings.launcher.get("name") == "slurm":
+    if n_trials or kept or launcher_of(settings.launcher).outlives_controller:
         optimize(
             study,
             SearchSpace.from_dict(settings.space, "study"),

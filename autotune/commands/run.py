@@ -12,6 +12,8 @@ from rich.markup import escape
 from autotune.commands.controller import climb, optimize
 from autotune.commands.options import (
     FiniteFloat,
+    LaunchingCommand,
+    launcher_option,
     storage_option,
     timeout_option,
     trial_timeout_option,
@@ -19,7 +21,6 @@ from autotune.commands.options import (
 from autotune.commands.output import answer, console
 from autotune.estimate_backend import queue_class_bests
 from autotune.estimate_cli import MAX_BATCH, MAX_SEQ_LEN
-from autotune.launchers import launcher_options
 from autotune.plan import RunOptions, plan_study
 from autotune.space import SearchSpace
 from autotune.storage import open_storage
@@ -33,7 +34,7 @@ MAX_SEED = 2**32 - 1
 COMMAND_OPTIONS = ("n_trials", "storage", "trial_timeout", "timeout", "strategy", "ladder", "table")
 
 
-@click.command()
+@click.command(cls=LaunchingCommand)
 @click.option("--model", required=True, help="Registered model name or a path to a config.json.")
 @click.option("--budget", required=True, help="Memory budget per device, e.g. 24GB, 24GiB, 300MB.")
 @click.option(
@@ -147,7 +148,7 @@ COMMAND_OPTIONS = ("n_trials", "storage", "trial_timeout", "timeout", "strategy"
 )
 @click.option("--gpus-per-node", type=click.IntRange(min=1, max=1024), default=None)
 @click.option("--nproc-per-node", type=click.IntRange(min=1, max=1024), default=None)
-@launcher_options
+@launcher_option
 @click.option(
     "--host-memory",
     default=None,
@@ -167,7 +168,7 @@ def run(**options: Any) -> None:
     launcher = {key: value for key, value in options.items() if key not in names}
     plan_options = {key: value for key, value in options.items() if key in names}
     plan = plan_study(
-        RunOptions(**plan_options, launcher=launcher, typed=frozenset(typed)),
+        RunOptions(**plan_options, launching=launcher, typed=frozenset(typed)),
         say=lambda line: console.print(f"[bold yellow]{escape(line)}[/]"),
     )
     settings, name, entry, gpu_target = plan.settings, plan.name, plan.entry, plan.gpu_target

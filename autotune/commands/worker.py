@@ -8,19 +8,18 @@ from typing import Any
 import click
 
 from autotune.commands.controller import optimize, relaunch
-from autotune.commands.options import storage_option, timeout_option, trial_timeout_option
+from autotune.commands.options import LaunchingCommand, controller_options
 from autotune.commands.output import answer, console
 from autotune.errors import UserError
-from autotune.launchers import launcher_options
+from autotune.launchers import launcher_of
 from autotune.plan import cuda_available
 from autotune.space import SearchSpace
 from autotune.storage import open_storage
 from autotune.study import load_existing
 
 
-@click.command()
-@click.option("--study", "study_name", required=True)
-@storage_option
+@click.command(cls=LaunchingCommand)
+@controller_options
 @click.option(
     "--trials",
     "n_trials",
@@ -29,9 +28,6 @@ from autotune.study import load_existing
     show_default=True,
     help="Trials this worker runs (the study's total is the sum over its workers).",
 )
-@trial_timeout_option
-@timeout_option
-@launcher_options
 def worker(
     study_name: str,
     storage: str,
@@ -49,7 +45,7 @@ def worker(
     settings = relaunch(study, launcher)
     if (
         settings.backend == "cuda"
-        and settings.launcher.get("name") != "slurm"
+        and not launcher_of(settings.launcher).remote
         and not (cuda_available())
     ):
         raise UserError(
