@@ -16,6 +16,7 @@ from typing import Any
 import click
 import optuna
 
+from autotune.backends import backend_named
 from autotune.commands.output import console, resume_hint
 from autotune.display import ladder_table
 from autotune.errors import EnvironmentFailure
@@ -83,7 +84,7 @@ def optimize(
         console.print(f"collecting trial #{number}: {adopted.why}")
     # workers draw trials; queueing the reference is the job of run/resume. Predictions have
     # no loss curve, so an estimate study has no reference and no loss guard.
-    if not worker and settings.backend != "estimate":
+    if not worker and backend_named(settings.backend).measures:
         ensure_reference(study, space)
     study.sampler = make_sampler(
         study, settings.seed, salt=os.getpid() if worker else 0, space=space, strategy=strategy
@@ -128,9 +129,9 @@ def optimize(
                 err=True,
             )
             sys.exit(130)
-    if confirm and not worker and settings.backend != "estimate":
+    if confirm and not worker and backend_named(settings.backend).measures:
         _confirm_finalists(study, launched, storage_url, progress.say)
-    if not worker and settings.backend != "estimate":
+    if not worker and backend_named(settings.backend).measures:
         from autotune.strategy import record_contenders  # numpy: only after a search
 
         record_contenders(study)  # the answer's certainty line (strategy.contenders)
@@ -205,18 +206,19 @@ def _kept_note(objective: Objective, study_name: str, storage_url: str) -> str:
 
 def _prober(settings: StudySettings, real: TrialRunner) -> tuple[Prober | None, str]:
     """The loss probe of lossy numerics (autotune/lossguard.py), or None and why not."""
+    backend = backend_named(settings.backend)
     if settings.probe_steps <= 0:
-        why = "predicted study" if settings.backend == "estimate" else "probes are off"
+        why = "probes are off" if backend.measures else "predicted study"
         return None, f"{why} (--probe-steps N trains a proxy)"
     probe = ProbeSettings(
         steps=settings.probe_steps,
         seeds=settings.probe_seeds,
         lr=settings.lr,
-        backend="cuda" if settings.backend == "cuda" else "cpu",
+        backend=backend.device,
     )
     # a local CPU study trains its probes in this process: a probe's proxy trains in seconds,
     # a job process would spend most of its time importing torch and transformers
-    local_cpu = type(real) is SubprocessRunner and settings.backend == "cpu"
+    local_cpu = type(real) is SubprocessRunner and backend.measures and not backend.cuda
     return Prober(settings.model_config, probe, InProcessRunner() if local_cpu else real), ""
 
 
@@ -303,9 +305,10 @@ def climb(study: optuna.Study, trial_timeout: float, storage_url: str) -> None:
 def relaunch(study: optuna.Study, given: dict[str, Any]) -> StudySettings:
     """The study's settings with its launcher changed by the options given to this command."""
     settings = settings_of(study)
-    if settings.backend == "estimate":
+    backend = backend_named(settings.backend)
+    if not backend.measures:  # predictions run in this process, through no launcher
         return settings
-    gpus = settings.nproc // settings.nodes if settings.backend == "cuda" else 0
+    gpus = backend.gpus_per_node(settings.nproc, settings.nodes)
     stored = settings.launcher or {"name": "local"}  # studies made before launchers existed
     settings.launcher = launcher_attrs(stored, given, gpus_per_node=gpus)
     if settings.launcher != stored:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from autotune.backends import backend_named
 from autotune.commands.options import FiniteFloat, force_option, storage_option
 from autotune.commands.output import console, writing
 from autotune.errors import UserError
@@ -70,8 +71,9 @@ def export_cmd(
             protected=database_files(storage),
         )
     console.print(f"wrote {fmt} config of trial {sel.winner.number} to {path}", markup=False)
-    if settings.backend == "cpu":
+    backend = backend_named(settings.backend)
+    if backend.measures and not backend.cuda:  # on a CPU: the speeds are no GPU's
         console.print(measured_on(settings), style="yellow", markup=False)
-    if settings.backend == "estimate":
+    if not backend.measures:
         gpu = gpu_spec(settings.target_gpu).name
         console.print(f"[yellow]predicted for {gpu}, not measured[/yellow]: run it there first")

@@ -14,6 +14,7 @@ import optuna
 from click.core import ParameterSource
 from rich.markup import escape
 
+from autotune.backends import backend_named
 from autotune.display import (
     certainty_line,
     commands_grid,
@@ -52,7 +53,7 @@ def answer(
     full_table = "(the full table: autotune show, or --table)"
     winner = sel.winner.config if sel.winner is not None else None
     commands = next_commands(study.study_name, storage_url, winner)
-    if settings.backend == "estimate":
+    if not backend_named(settings.backend).measures:
         title += f": predicted for {gpu_spec(settings.target_gpu).name}, not measured"
         if table:
             console.print(results_table(sel, title))

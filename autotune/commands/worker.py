@@ -7,6 +7,7 @@ from typing import Any
 
 import click
 
+from autotune.backends import backend_named
 from autotune.commands.controller import optimize, relaunch
 from autotune.commands.options import LaunchingCommand, controller_options
 from autotune.commands.output import answer, console
@@ -44,7 +45,7 @@ def worker(
     study = load_existing(open_storage(storage, must_exist=True), study_name)
     settings = relaunch(study, launcher)
     if (
-        settings.backend == "cuda"
+        backend_named(settings.backend).cuda
         and not launcher_of(settings.launcher).remote
         and not (cuda_available())
     ):
