@@ -8,6 +8,7 @@ import warnings
 import click
 import optuna
 
+from autotune.commands.estimate import estimate_cmd
 from autotune.commands.export import export_cmd
 from autotune.commands.output import next_commands, resume_hint
 from autotune.commands.report import report
@@ -16,7 +17,6 @@ from autotune.commands.run import run
 from autotune.commands.show import show
 from autotune.commands.worker import worker
 from autotune.errors import OneLineGroup
-from autotune.estimate_cli import estimate_cmd
 
 __all__ = ["main", "next_commands", "resume_hint", "run"]
 
