@@ -21,6 +21,7 @@ from autotune.commands.options import (
 from autotune.commands.output import answer, console
 from autotune.estimate_backend import queue_class_bests
 from autotune.estimate_cli import MAX_BATCH, MAX_SEQ_LEN
+from autotune.launchers import LAUNCHERS
 from autotune.plan import RunOptions, plan_study
 from autotune.space import SearchSpace
 from autotune.storage import open_storage
@@ -30,7 +31,8 @@ from trials.techniques import FIDELITY_CLASSES
 
 #: numpy's and torch's seeds are 32-bit
 MAX_SEED = 2**32 - 1
-#: the options of ``run`` that belong to the command, not to the plan of the study
+#: the options of ``run`` that belong to the command, not to the plan of the study (the others
+#: are fields of ``autotune.plan.RunOptions``, or the launchers')
 COMMAND_OPTIONS = ("n_trials", "storage", "trial_timeout", "timeout", "strategy", "ladder", "table")
 
 
@@ -164,11 +166,12 @@ def run(**options: Any) -> None:
         if ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, None)
     }
     own = {key: options.pop(key) for key in COMMAND_OPTIONS}
-    names = RunOptions.names()
-    launcher = {key: value for key, value in options.items() if key not in names}
-    plan_options = {key: value for key, value in options.items() if key in names}
+    # --launcher and each launcher's own options go to the launcher; every other option is a
+    # field of RunOptions (an option that is neither fails here, loudly)
+    launching = {"launcher", *(o.name for one in LAUNCHERS.values() for o in one.click_options)}
+    launcher = {key: options.pop(key) for key in launching}
     plan = plan_study(
-        RunOptions(**plan_options, launching=launcher, typed=frozenset(typed)),
+        RunOptions(**options, launching=launcher, typed=frozenset(typed)),
         say=lambda line: console.print(f"[bold yellow]{escape(line)}[/]"),
     )
     settings, name, entry, gpu_target = plan.settings, plan.name, plan.entry, plan.gpu_target
