@@ -114,3 +114,22 @@ def test_bad_options_raise_one_line(options: dict[str, object], line: str) -> No
     with pytest.raises(UserError) as raised:
         plan_study(RunOptions(**{**TINY, **options}))  # type: ignore[arg-type]
     assert str(raised.value) == line
+
+
+def test_run_options_default_as_the_command_does() -> None:
+    """Every option of ``run`` is a field of ``RunOptions``, one of the command's own or
+    ``--launcher``, and each field's default is the option's (a plan made without click plans
+    what the command would)."""
+    from dataclasses import MISSING, fields
+
+    from autotune.cli import run
+    from autotune.commands.run import COMMAND_OPTIONS
+
+    defaults = {f.name: f.default for f in fields(RunOptions) if f.default is not MISSING}
+    checked = 0
+    for param in run.params:
+        assert param.name in RunOptions.names() | set(COMMAND_OPTIONS) | {"launcher"}, param.name
+        if param.name in defaults:
+            assert param.default == defaults[param.name], param.name
+            checked += 1
+    assert checked == len(defaults) - 1  # all but typed, which no option gives
