@@ -64,11 +64,11 @@ def _tags(db: Path) -> list[Any]:
 
 
 @pytest.mark.real_trial
-def test_run_and_resume_take_a_launcher_defined_in_the_test(inline: None, tmp_path: Path) -> None:
+def test_run_and_resume_take_a_launcher_defined_in_the_test(inline: None, in_tmp: Path) -> None:
     for command in ("run", "resume", "worker"):
         assert "--inline-tag" in cli(command, "--help").output
         assert "inline: trials in this process." in cli(command, "--help").output
-    db = tmp_path / "s.db"
+    db = in_tmp / "s.db"
     storage = ["--storage", f"sqlite:///{db}"]
     ran = cli("run", "--model", "tiny-llama", "--budget", "300MB", "--space", str(SMALL_SPACE),
               *SMALL_ARGS, *NO_PROBES, "--trials", "1", *storage, "--launcher", "inline",
