@@ -23,6 +23,7 @@ home and project folders are on clusters).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import re
@@ -33,9 +34,11 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field, fields
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import optuna
 from optuna.storages import RDBStorage
@@ -44,6 +47,7 @@ from optuna.trial import FrozenTrial, TrialState
 from autotune.agents import torchrun
 from autotune.errors import UserError
 from autotune.runner import (
+    Adoption,
     SubprocessRunner,
     TrialAttrs,
     TrialRunner,
@@ -332,7 +336,18 @@ class SlurmRunner(TrialRunner):
         self.timeout_s = timeout_s
         self.python = python
         #: set on Ctrl-C/SIGTERM: every waiting thread cancels its job and stops
-        self.stopping = threading.Event()
+        self.stopping: threading.Event = threading.Event()
+
+    def adopt(
+        self,
+        study: Any,
+        storage: Callable[[], Any],
+        objective: Callable[[], Callable[[Any], Any]],
+        crashed: type[Exception],
+    ) -> Adoption:
+        adoption = adopt(study, storage(), objective(), crashed)
+        adoption.why = "its Slurm job is still known to the cluster"
+        return adoption
 
     def run(self, spec: TrialSpec, name: str) -> TrialResult:
         # a job of no trial (a loss probe, a finalist's re-measurement) is never collected after
@@ -466,18 +481,6 @@ def orphans(study: optuna.Study, grace_s: float) -> list[FrozenTrial]:
     ]
 
 
-@dataclass
-class Adoption:
-    """Threads collecting adopted jobs into their trials."""
-
-    threads: list[threading.Thread] = field(default_factory=list)
-    numbers: list[int] = field(default_factory=list)
-
-    def join(self) -> None:
-        for thread in self.threads:
-            thread.join()
-
-
 def adopt(
     study: optuna.Study,
     storage: RDBStorage,
@@ -524,91 +527,173 @@ def adopt(
     return adoption
 
 
-# --- the command line's side -----------------------------------------------------------------
-
-LAUNCHERS = ("local", "slurm")
+# --- launchers as the commands know them --------------------------------------------------------
 
 
-def launcher_options(f: Any) -> Any:
-    """``--launcher`` and the Slurm job's options, shared by the commands that run trials."""
-    import click
+class Launcher(ABC):
+    """A way trials start. The commands that run trials (``run``, ``resume``, ``worker``) know
+    launchers only through this class and ``LAUNCHERS``: ``--launcher NAME`` picks one, its own
+    ``options`` are options of those commands, ``settings`` turns them into the attrs stored
+    with the study, ``runner`` makes the ``TrialRunner`` of those attrs (whose hooks stop and
+    adopt its jobs). A new launcher is a subclass given to ``register_launcher``."""
 
-    options = [
-        click.option(
-            "--launcher",
-            type=click.Choice(LAUNCHERS),
-            default=None,
-            help="local: trials on this machine (default). slurm: each trial an sbatch job; "
-            "queued and running jobs survive a restart of this command.",
-        ),
-        click.option("--partition", default=None, help="slurm: the partition (sbatch -p)."),
-        click.option("--account", default=None, help="slurm: the account to charge (sbatch -A)."),
-        click.option(
-            "--slurm-time",
-            default=None,
-            help="slurm: each job's time limit (sbatch --time: minutes or [D-]HH:MM:SS); "
-            "default: --trial-timeout.",
-        ),
-        click.option(
-            "--in-flight",
-            type=click.IntRange(min=1, max=1024),
-            default=None,
-            help="slurm: trials submitted at once (default 4).",
-        ),
-        click.option(
-            "--sbatch-option",
-            "sbatch_options",
-            multiple=True,
-            help="slurm: one more sbatch option, verbatim (e.g. --qos=high); repeatable.",
-        ),
-    ]
-    for option in reversed(options):
-        f = option(f)
-    return f
+    #: ``--launcher NAME``
+    name: ClassVar[str]
+    #: its name in a line: "--partition is a Slurm option"
+    label: ClassVar[str]
+    #: what it does, in ``--launcher``'s help
+    help: ClassVar[str]
+    #: its trials run on other machines (a cluster's nodes): this machine needs no GPU of the
+    #: study's, ``--gpu`` names theirs, their nodes are real ones and their memory is not this
+    #: machine's (the host budget is unlimited unless given)
+    remote: ClassVar[bool] = False
+    #: its jobs outlive a stopped controller: ``resume`` collects them even with ``--trials 0``
+    outlives_controller: ClassVar[bool] = False
+
+    def options(self) -> list[Any]:
+        """Its own click options (``click.Option``), whose values ``settings`` receives by
+        parameter name; given without ``--launcher NAME`` they are refused as one line."""
+        return []
+
+    @functools.cached_property
+    def click_options(self) -> list[Any]:
+        return self.options()
+
+    def settings(
+        self, stored: dict[str, Any] | None, given: dict[str, Any], gpus_per_node: int
+    ) -> dict[str, Any]:
+        """The attrs stored with the study (``{"name": NAME, ...}``): ``stored`` (this
+        launcher's attrs stored with the study, or None) changed by its options ``given`` (None
+        where not given); ``gpus_per_node``: the CUDA GPUs each node of a trial uses (0: CPU)."""
+        return {"name": self.name}
+
+    @abstractmethod
+    def runner(self, attrs: dict[str, Any], workdir: Path, timeout_s: float) -> TrialRunner:
+        """The runner of the trials of a study with these stored attrs."""
+
+    def concurrency(self, attrs: dict[str, Any]) -> int:
+        """Trials at once (local trials: one at a time, they share the devices)."""
+        return 1
+
+
+class LocalLauncher(Launcher):
+    name = "local"
+    label = "local"
+    help = "trials on this machine (default)."
+
+    def runner(self, attrs: dict[str, Any], workdir: Path, timeout_s: float) -> TrialRunner:
+        return SubprocessRunner(workdir, timeout_s=timeout_s)
+
+
+class SlurmLauncher(Launcher):
+    name = "slurm"
+    label = "Slurm"
+    help = "each trial an sbatch job; queued and running jobs survive a restart of this command."
+    remote = True
+    outlives_controller = True
+
+    def options(self) -> list[Any]:
+        import click
+
+        return [
+            click.Option(["--partition"], default=None, help="slurm: the partition (sbatch -p)."),
+            click.Option(
+                ["--account"], default=None, help="slurm: the account to charge (sbatch -A)."
+            ),
+            click.Option(
+                ["--slurm-time"],
+                default=None,
+                help="slurm: each job's time limit (sbatch --time: minutes or [D-]HH:MM:SS); "
+                "default: --trial-timeout.",
+            ),
+            click.Option(
+                ["--in-flight"],
+                type=click.IntRange(min=1, max=1024),
+                default=None,
+                help="slurm: trials submitted at once (default 4).",
+            ),
+            click.Option(
+                ["--sbatch-option", "sbatch_options"],
+                multiple=True,
+                help="slurm: one more sbatch option, verbatim (e.g. --qos=high); repeatable.",
+            ),
+        ]
+
+    def settings(
+        self, stored: dict[str, Any] | None, given: dict[str, Any], gpus_per_node: int
+    ) -> dict[str, Any]:
+        base = SlurmOptions.from_attrs(stored) if stored else SlurmOptions()
+        changes: dict[str, Any] = {
+            "partition": given.get("partition"),
+            "account": given.get("account"),
+            "time_limit": given.get("slurm_time"),
+            "in_flight": given.get("in_flight"),
+            "extra": tuple(given.get("sbatch_options") or ()) or None,
+            "gpus_per_node": gpus_per_node or None,
+        }
+        options = SlurmOptions(**{**asdict(base), **{k: v for k, v in changes.items() if v}})
+        if os.environ.get(POLL_ENV):
+            options = SlurmOptions(**{**asdict(options), "poll_s": float(os.environ[POLL_ENV])})
+        options.check()
+        check_slurm(options)
+        return options.to_attrs()
+
+    def runner(self, attrs: dict[str, Any], workdir: Path, timeout_s: float) -> TrialRunner:
+        return SlurmRunner(workdir, SlurmOptions.from_attrs(attrs), timeout_s=timeout_s)
+
+    def concurrency(self, attrs: dict[str, Any]) -> int:
+        return int(attrs.get("in_flight", 4))
+
+
+#: the launchers by name, in ``--launcher``'s order
+LAUNCHERS: dict[str, Launcher] = {}
+
+
+def register_launcher(launcher: Launcher) -> Launcher:
+    """Add ``launcher`` to ``--launcher``'s choices and its options to the commands'."""
+    taken = {flag for other in LAUNCHERS.values() for o in other.click_options for flag in o.opts}
+    names = {o.name for other in LAUNCHERS.values() for o in other.click_options}
+    for option in launcher.click_options:
+        if taken & set(option.opts) or option.name in names | {"launcher"}:
+            raise ValueError(f"launcher {launcher.name}: option {option.opts[0]} is taken")
+    LAUNCHERS[launcher.name] = launcher
+    return launcher
+
+
+register_launcher(LocalLauncher())
+register_launcher(SlurmLauncher())
+
+
+def launcher_of(attrs: dict[str, Any]) -> Launcher:
+    """The launcher of a study's stored attrs (studies made before launchers existed: local)."""
+    name = attrs.get("name", "local")
+    if name not in LAUNCHERS:
+        raise UserError(
+            f"the study's launcher {printable(repr(name))} is not one of: {', '.join(LAUNCHERS)}"
+        )
+    return LAUNCHERS[name]
+
+
+# --- the commands' side (their click options: autotune/commands/options.py) ------------------
 
 
 def launcher_attrs(
-    stored: dict[str, Any],
-    launcher: str | None,
-    partition: str | None,
-    account: str | None,
-    slurm_time: str | None,
-    in_flight: int | None,
-    sbatch_options: tuple[str, ...],
-    gpus_per_node: int = 0,
+    stored: dict[str, Any], given: dict[str, Any], gpus_per_node: int = 0
 ) -> dict[str, Any]:
-    """The launcher a command uses: the one stored with the study, changed by what was given."""
-    name = launcher or stored.get("name", "local")
-    slurm_given = [
-        flag
-        for flag, value in (
-            ("--partition", partition),
-            ("--account", account),
-            ("--slurm-time", slurm_time),
-            ("--in-flight", in_flight),
-            ("--sbatch-option", sbatch_options),
-        )
-        if value
-    ]
-    if name != "slurm":
-        if slurm_given:
-            raise UserError(f"{slurm_given[0]} is a Slurm option: add --launcher slurm")
-        return {"name": "local"}
-    base = SlurmOptions.from_attrs(stored) if stored.get("name") == "slurm" else SlurmOptions()
-    changes: dict[str, Any] = {
-        "partition": partition,
-        "account": account,
-        "time_limit": slurm_time,
-        "in_flight": in_flight,
-        "extra": tuple(sbatch_options) or None,
-        "gpus_per_node": gpus_per_node or None,
-    }
-    options = SlurmOptions(**{**asdict(base), **{k: v for k, v in changes.items() if v}})
-    if os.environ.get(POLL_ENV):
-        options = SlurmOptions(**{**asdict(options), "poll_s": float(os.environ[POLL_ENV])})
-    options.check()
-    check_slurm(options)
-    return options.to_attrs()
+    """The launcher a command uses: the one stored with the study (``stored``), changed by the
+    options ``given`` (``--launcher`` and the launchers' own, by parameter name)."""
+    chosen = LAUNCHERS[given["launcher"]] if given.get("launcher") else launcher_of(stored)
+    for other in LAUNCHERS.values():
+        if other is chosen:
+            continue
+        for option in other.click_options:
+            if given.get(option.name):
+                raise UserError(
+                    f"{option.opts[0]} is a {other.label} option: add --launcher {other.name}"
+                )
+    own = {o.name: given.get(o.name) for o in chosen.click_options}
+    return chosen.settings(stored if stored.get("name") == chosen.name else None, own,
+                           gpus_per_node)  # fmt: skip
 
 
 #: seconds between looks at the Slurm queue (tests use less than the default 5)
@@ -617,11 +702,9 @@ POLL_ENV = "AUTOTUNE_SLURM_POLL_S"
 
 def make_runner(attrs: dict[str, Any], workdir: Path, timeout_s: float) -> TrialRunner:
     """The runner of a launcher's stored attrs."""
-    if attrs.get("name") == "slurm":
-        return SlurmRunner(workdir, SlurmOptions.from_attrs(attrs), timeout_s=timeout_s)
-    return SubprocessRunner(workdir, timeout_s=timeout_s)
+    return launcher_of(attrs).runner(attrs, workdir, timeout_s)
 
 
 def concurrency(attrs: dict[str, Any]) -> int:
-    """Trials at once: Slurm jobs in flight; local trials one at a time (they share devices)."""
-    return int(attrs.get("in_flight", 4)) if attrs.get("name") == "slurm" else 1
+    """Trials at once, as the stored launcher runs them."""
+    return launcher_of(attrs).concurrency(attrs)

@@ -16,6 +16,8 @@ import tempfile
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -106,8 +108,26 @@ def new_trial_dir(workdir: Path, name: str) -> Path:
         return Path(tempfile.mkdtemp(prefix=f"{name}-", dir=workdir))
 
 
+@dataclass
+class Adoption:
+    """Threads collecting adopted jobs into their trials (``TrialRunner.adopt``)."""
+
+    threads: list[threading.Thread] = field(default_factory=list)
+    numbers: list[int] = field(default_factory=list)
+    #: why each trial is collected, for the line the controller prints
+    why: str = ""
+
+    def join(self) -> None:
+        for thread in self.threads:
+            thread.join()
+
+
 class TrialRunner(ABC):
     """Turns a spec into a measured (or predicted) result."""
+
+    #: set on Ctrl-C/SIGTERM, for a runner whose trials wait in other threads (each then
+    #: cancels its job); None: the signal's ``KeyboardInterrupt`` is enough
+    stopping: threading.Event | None = None
 
     @abstractmethod
     def run(self, spec: TrialSpec, name: str) -> TrialResult: ...
@@ -120,6 +140,20 @@ class TrialRunner(ABC):
         """``run`` for a trial of a study; a runner that keeps state on the trial (a Slurm job
         id, so that a restarted controller collects the job) overrides this."""
         return self.run(spec, name)
+
+    def adopt(
+        self,
+        study: Any,
+        storage: Callable[[], Any],
+        objective: Callable[[], Callable[[Any], Any]],
+        crashed: type[Exception],
+    ) -> Adoption:
+        """Collect into their trials of ``study`` (an ``optuna.Study``) the jobs that a stopped
+        controller left running, each in a thread of its own, recorded as ``objective()`` (the
+        study's objective; ``crashed``: its exception for a failed trial) records any;
+        ``storage()``: the study's storage. A runner whose jobs outlive their controller (a
+        Slurm job) overrides this; the others have none."""
+        return Adoption()
 
 
 class TrialAttrs(Protocol):

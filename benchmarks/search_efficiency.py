@@ -123,7 +123,7 @@ SamplerFactory = Callable[[optuna.Study, SearchSpace, int], optuna.samplers.Base
 
 
 def study_search(reality: Reality, factory: SamplerFactory, seed: int, cap: int) -> Search:
-    """The peer as a study runs it (cli._optimize): reference first, the study's objective."""
+    """The peer as a study runs it (controller.optimize): reference first, the study's objective."""
     search = Search(reality, cap)
     settings = StudySettings(
         model=reality.model,

@@ -150,7 +150,7 @@ def parse(q: Quoted) -> str:
             else:  # a fragment: its options must exist and their values convert
                 sub = click.Context(command, info_name=w[1], parent=ctx)
                 values, _, _ = command.make_parser(sub).parse_args(w[2:])
-                for param in command.params:
+                for param in command.get_params(sub):
                     if param.name in values:
                         param.type_cast_value(sub, values[param.name])
     except click.BadOptionUsage as exc:

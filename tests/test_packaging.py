@@ -30,10 +30,13 @@ def test_wheel_loads_default_space_outside_the_source_tree(tmp_path: Path) -> No
     (wheel,) = (tmp_path / "dist").glob("autotune-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "search_spaces/default.yaml" in names and "trials/job.py" in names
+    assert "autotune/commands/run.py" in names
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     code = (
         "import autotune, trials; from autotune.space import SearchSpace; "
+        # the command line, its commands in a package of their own
+        "import autotune.cli, autotune.commands.run; "
         f"s = SearchSpace.load(); assert autotune.__file__.startswith({str(site)!r}); "
         "print(len(s.dimensions))"
     )
