@@ -35,6 +35,7 @@ from autotune.models import check_seq_len, resolve_model
 from autotune.terminal import make_console, printable
 from autotune.units import format_size, parse_size
 from autotune.yaml_limits import load_yaml
+from trials.techniques.micro_batch import micro_batch_problem
 
 
 def _load_config(path: str, global_batch_size: int) -> dict[str, Any]:
@@ -49,16 +50,9 @@ def _load_config(path: str, global_batch_size: int) -> dict[str, Any]:
         if not isinstance(value, str | int | float | bool) or value is None:
             raise UserError(f"config: {printable(str(key))} is {type(value).__name__}, "
                             "not one choice")  # fmt: skip
-    micro = data.get("micro_batch_size")
-    if micro is not None:
-        if isinstance(micro, bool) or not isinstance(micro, int) or micro < 1:
-            raise UserError(f"config: micro_batch_size {printable(repr(micro))}: a whole "
-                            "number >= 1")  # fmt: skip
-        if global_batch_size % micro:
-            raise UserError(
-                f"config: micro_batch_size {micro} does not divide the global batch "
-                f"{global_batch_size} (per process); choose a divisor or --global-batch-size"
-            )
+    problem = micro_batch_problem(data, global_batch_size)
+    if problem is not None:
+        raise UserError(printable(problem))
     return data
 
 

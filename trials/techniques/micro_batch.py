@@ -29,6 +29,22 @@ def micro_and_accumulation(
     return micro, global_batch_size // micro
 
 
+def micro_batch_problem(config: Config, global_batch_size: int) -> str | None:
+    """What is wrong with a hand-written config's micro-batch at this global batch (per
+    process), or None: a whole number >= 1 that divides the batch, as a trial requires."""
+    micro = config.get(MICRO_BATCH)
+    if micro is None:
+        return None
+    if isinstance(micro, bool) or not isinstance(micro, int) or micro < 1:
+        return f"config: {MICRO_BATCH} {micro!r}: a whole number >= 1"
+    if global_batch_size % micro:
+        return (
+            f"config: {MICRO_BATCH} {micro} does not divide the global batch "
+            f"{global_batch_size} (per process); choose a divisor or --global-batch-size"
+        )
+    return None
+
+
 def _divides(choice: Choice, global_batch_size: int) -> bool:
     return isinstance(choice, int) and global_batch_size % choice == 0
 
