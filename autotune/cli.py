@@ -21,6 +21,8 @@ import optuna
 from click.core import ParameterSource
 from rich.markup import escape
 
+from autotune.data_source import attach as attach_data
+from autotune.data_source import ready as data_ready
 from autotune.display import (
     certainty_line,
     commands_grid,
@@ -168,6 +170,7 @@ def _optimize(
     """Run ``n_trials`` of the study; then, with ``confirm`` (``run``/``resume``, not workers,
     ladder rungs or collecting Slurm jobs), re-measure the finalists."""
     settings = settings_of(study)
+    data_ready(settings.data, study.study_name, settings.backend != "estimate", console.print)
     launched = make_runner(settings.launcher, workdir_for(study), trial_timeout)
     runner = runner_for(settings, launched)
     objective = Objective(
@@ -570,6 +573,20 @@ def next_commands(
     help="Train on variable-length documents of MIN to MAX tokens (as fine-tuning data), "
     "padded or packed (the packing dimension); default: every sequence --seq-len tokens.",
 )
+# the user's dataset (autotune/data_source.py, docs/guide/data.md)
+@click.option(
+    "--data",
+    default=None,
+    metavar="PATH_OR_NAME",
+    help="Train on your dataset: a JSONL, Parquet or text file, a saved `datasets` folder, or a "
+    "Hub dataset already in the local cache; its real lengths, padded or packed.",
+)
+@click.option("--data-field", default=None, help="The field of --data holding the text.")
+@click.option(
+    "--tokenizer",
+    default=None,
+    help="Tokenizer of --data: a folder or a cached Hub id (default: the --model folder's).",
+)
 @click.option("--seed", type=click.IntRange(min=0, max=MAX_SEED), default=0, show_default=True)
 @click.option(
     "--strategy",
@@ -632,6 +649,9 @@ def run(
     seq_len: int | None,
     global_batch_size: int | None,
     documents: str | None,
+    data: str | None,
+    data_field: str | None,
+    tokenizer: str | None,
     seed: int,
     strategy: str,
     ladder: bool,
@@ -721,7 +741,8 @@ def run(
         )
     ranks = nodes * per_node
     gbs = global_batch_size or entry.global_batch_size
-    resolved = space.resolve(gbs, hardware, classes_up_to(allow), documents=docs is not None)
+    varied = docs is not None or data is not None
+    resolved = space.resolve(gbs, hardware, classes_up_to(allow), documents=varied)
     settings = StudySettings(
         model=entry.name,
         model_config=entry.config,
@@ -747,6 +768,7 @@ def run(
         host_budget_bytes=host_limit
         or (0 if gpu_target or launcher_settings["name"] == "slurm" else machine_memory()),
     )
+    prepared = attach_data(settings, data, data_field, tokenizer, model)
     name = study_name or settings.default_study_name()
     _check_study_name(name)
     ctx = click.get_current_context()
@@ -761,6 +783,8 @@ def run(
     }
     assert given <= GIVEN_OPTIONS.keys()
     study = create_or_load(open_storage(storage), name, settings, given)
+    if prepared is not None:
+        console.print(prepared.summary(), markup=False)
     where = f"on {gpu_target.name}" if gpu_target else "here"
     for line in resolved.dropped:
         console.print(f"unavailable {where}: {line}", style="dim", markup=False)
@@ -919,6 +943,7 @@ def resume(
     Slurm jobs that a stopped controller left queued or running are collected into their
     trials (``--trials 0``: only that)."""
     study = load_existing(open_storage(storage, must_exist=True), study_name)
+    data_ready(settings_of(study).data, study_name, needs_file=False)  # the same data, or stop
     settings = _relaunch(study, launcher)
     console.print(f"resuming study '{study_name}': {len(study.trials)} trials so far", markup=False)
     # measurements an earlier run kept (``autotune.pending``) are stored by ``_optimize``
@@ -966,6 +991,7 @@ def worker(
     storage (PostgreSQL across machines; SQLite for workers on one machine).
     """
     study = load_existing(open_storage(storage, must_exist=True), study_name)
+    data_ready(settings_of(study).data, study_name, needs_file=False)  # the same data, or stop
     settings = _relaunch(study, launcher)
     if (
         settings.backend == "cuda"
