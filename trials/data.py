@@ -15,6 +15,11 @@ decreasing), each document with its own positions, which transformers turns into
 block-causal mask. A step trains on the same documents either way, and its loss is the mean
 over the same target tokens: packing is exact.
 
+With a user's dataset (``autotune run --data``, ``DatasetDocuments``) the documents are its own,
+in the order the controller chose (``autotune.data_source``: the longest in the last warm-up
+step), and their tokens come from the file it wrote (``trials.user_data``); the layout is the
+same.
+
 ``layout`` (token counts only) is what the estimator reads; ``step_batches`` (tensors) is what
 the job trains on; both come from the same functions here.
 """
