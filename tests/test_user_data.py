@@ -230,8 +230,8 @@ def _db_digest(db: Path) -> list[Any]:
 def test_a_study_on_the_data_records_it_and_refuses_other_data(in_tmp: Path, tok: Path) -> None:
     """``autotune run --data``: the identity recorded (the file's own SHA-256 and size, the
     histogram counted by hand), packing searched both ways, the documents' lengths in the
-    spec; then ``resume`` on changed bytes and ``run`` on other data refused, nothing
-    written."""
+    spec; then ``resume`` and ``worker`` on changed bytes, ``resume`` on a missing file and
+    ``run`` on other data refused, nothing written."""
     data = write_jsonl(in_tmp / "mine.jsonl", SHORT + LONG)
     space = in_tmp / "space.yaml"
     space.write_text("dimensions:\n  micro_batch_size:\n    choices: [4]\n  packing:\n"
@@ -259,9 +259,15 @@ def test_a_study_on_the_data_records_it_and_refuses_other_data(in_tmp: Path, tok
 
     before = (_db_digest(in_tmp / "autotune.db"), len(study.trials))
     data.write_text(data.read_text().replace("w1 ", "w2 ", 1))  # one word changed
-    resumed = cli("resume", "--study", summary.study_name, "--trials", "1")
-    assert resumed.exit_code == 2
-    assert resumed.output.count("\n") == 1 and "has changed" in resumed.output
+    for command in ("resume", "worker"):
+        refused = cli(command, "--study", summary.study_name, "--trials", "1")
+        assert refused.exit_code == 2, refused.output
+        assert refused.output.count("\n") == 1 and "has changed" in refused.output
+    moved = data.rename(in_tmp / "moved.jsonl")
+    gone = cli("resume", "--study", summary.study_name, "--trials", "1")
+    assert gone.exit_code == 2 and gone.output.count("\n") == 1
+    assert f"{data}, which is missing" in gone.output
+    moved.rename(data)
     other = write_jsonl(in_tmp / "other.jsonl", SHORT)
     again = cli(*run[:-4], "--data", str(other), "--tokenizer", str(tok),
                 "--study-name", summary.study_name, "--trials", "1")  # fmt: skip
