@@ -327,3 +327,27 @@ def test_bad_data_input_is_one_line(
     assert result.exit_code == 2, result.output
     assert needle in result.output and result.output.count("\n") == 1, result.output
     assert not (in_tmp / "autotune.db").exists() or "documents" in needle
+
+
+def test_same_data_is_the_same_bytes_field_and_tokenizer(tmp_path: Path, tok: Path) -> None:
+    """A moved file of the same bytes is the same data; a word changed, another field or
+    another tokenizer is not."""
+    from autotune.data_source import check_same
+    from autotune.errors import UserError
+
+    data = write_jsonl(tmp_path / "d.jsonl", SHORT + LONG)
+    stored = _prepare(data, tok).attrs
+    moved = _prepare(data.rename(tmp_path / "moved.jsonl"), tok).attrs
+    check_same("s", stored, moved)
+    (tmp_path / "moved.jsonl").write_text(
+        (tmp_path / "moved.jsonl").read_text().replace("w1 ", "w2 ", 1)
+    )
+    changed = _prepare(tmp_path / "moved.jsonl", tok).attrs
+    assert changed["order"] == stored["order"]  # the same lengths: only the bytes tell
+    other_tok = make_tokenizer(tmp_path / "tok2", chat=True)
+    for other in (changed, {**stored, "field": "body"}, _prepare(data.parent / "moved.jsonl",
+                                                                  other_tok).attrs):  # fmt: skip
+        with pytest.raises(UserError, match="was made on other data"):
+            check_same("s", stored, other)
+    with pytest.raises(UserError, match="synthetic data"):
+        check_same("s", None, stored)
