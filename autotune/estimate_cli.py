@@ -129,6 +129,7 @@ def confirm_winner(
         "global_batch_size": settings.global_batch_size,
         "nproc": settings.nproc,
         "gpu": gpu,
+        "documents": settings.trial_documents(),  # variable-length data: as the scores had it
     }
     config = head.best.config
     an = head.best.estimate

@@ -11,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from autotune.data_source import Prepared as PreparedData
+from autotune.data_source import attach as attach_data
 from autotune.errors import UserError
 from autotune.estimate_backend import (
     estimate_space,
@@ -58,6 +60,11 @@ class RunOptions:
     seq_len: int | None = None
     global_batch_size: int | None = None
     documents: str | None = None
+    #: the user's dataset (``autotune/data_source.py``): its path or cached name, text field,
+    #: tokenizer
+    data: str | None = None
+    data_field: str | None = None
+    tokenizer: str | None = None
     seed: int = 0
     nproc: int | None = None
     gpus: int | None = None
@@ -88,6 +95,8 @@ class StudyPlan:
     gpu_target: GpuSpec | None
     #: the space's choices unavailable on the hardware, a line each
     dropped: list[str]
+    #: the user's dataset, tokenized (None: synthetic tokens)
+    prepared: PreparedData | None = None
 
 
 def plan_study(options: RunOptions, say: Callable[[str], None] = lambda line: None) -> StudyPlan:
@@ -166,7 +175,8 @@ def plan_study(options: RunOptions, say: Callable[[str], None] = lambda line: No
         )
     ranks = nodes * per_node
     gbs = o.global_batch_size or entry.global_batch_size
-    resolved = space.resolve(gbs, hardware, classes_up_to(o.allow), documents=docs is not None)
+    varied = docs is not None or o.data is not None  # variable-length documents
+    resolved = space.resolve(gbs, hardware, classes_up_to(o.allow), documents=varied)
     settings = StudySettings(
         model=entry.name,
         model_config=entry.config,
@@ -192,11 +202,12 @@ def plan_study(options: RunOptions, say: Callable[[str], None] = lambda line: No
         host_budget_bytes=host_limit
         or (0 if gpu_target or launcher_of(launcher_settings).remote else machine_memory()),
     )
+    prepared = attach_data(settings, o.data, o.data_field, o.tokenizer, o.model)
     name = o.study_name or settings.default_study_name()
     check_study_name(name)
     given = {key for key, option in GIVEN_BY.items() if option in o.typed}
     assert given <= GIVEN_OPTIONS.keys()
-    return StudyPlan(settings, name, given, entry, gpu_target, list(resolved.dropped))
+    return StudyPlan(settings, name, given, entry, gpu_target, list(resolved.dropped), prepared)
 
 
 def check_study_name(name: str) -> None:

@@ -25,6 +25,7 @@ from optuna.storages import RDBStorage
 from optuna.study._constrained_optimization import _CONSTRAINTS_KEY
 from optuna.trial import FrozenTrial, TrialState
 
+from autotune.data_source import check_same, spec_data
 from autotune.errors import UserError
 from autotune.lossguard import LossVerdict, Prober, judge
 from autotune.pending import Held, PendingResults
@@ -32,7 +33,7 @@ from autotune.runner import TrialRunner
 from autotune.space import SearchSpace
 from autotune.terminal import printable
 from trials.data import Documents
-from trials.spec import TrialResult, TrialSpec, tracked_steps
+from trials.spec import TrialResult, TrialSpec, tracked_steps, trial_documents
 from trials.techniques import fidelity_class
 
 DEFAULT_STORAGE = "sqlite:///autotune.db"
@@ -76,6 +77,9 @@ class StudySettings:
     #: the trial data: [MIN, MAX] tokens per document (``trials.data.Documents``); None: every
     #: sequence is ``seq_len`` tokens
     documents: list[int] | None = None
+    #: the user's dataset (``autotune.data_source``): its identity (source, bytes, SHA-256,
+    #: field, tokenizer, length histogram) and the trial's documents; None: synthetic data
+    data: dict[str, Any] | None = None
     #: keys that must match to add trials to an existing study
     identity: tuple[str, ...] = field(
         default=(
@@ -89,6 +93,7 @@ class StudySettings:
             "nproc",
             "nodes",
             "documents",
+            "data",
         ),
         repr=False,
     )
@@ -98,6 +103,8 @@ class StudySettings:
         if self.nodes > 1:
             ranks = f"-{self.nodes}x{self.nproc // self.nodes}"
         docs = f"-docs{self.documents[0]}-{self.documents[1]}" if self.documents else ""
+        if self.data:
+            docs = f"-data-{Path(self.data['source']).name}"
         return f"{self.model}-{self.budget_label}-{self.backend}{ranks}{docs}"
 
     def to_attrs(self) -> dict[str, Any]:
@@ -114,6 +121,8 @@ class StudySettings:
         """The documents of the steps a trial of this study measures the memory of (None:
         fixed-length data)."""
         steps = tracked_steps(self.backend, self.warmup_steps, self.measured_steps)
+        if self.data:
+            return trial_documents(self.spec({}, None), self.backend)
         return Documents.of(self.documents, self.seed, steps)
 
     def spec(self, config: dict[str, Any], budget: int | None) -> TrialSpec:
@@ -132,6 +141,7 @@ class StudySettings:
             nodes=self.nodes,
             host_budget_bytes=self.host_budget_bytes or None,
             documents=self.documents,
+            data=spec_data(self.data),
         )
 
 
@@ -178,8 +188,11 @@ def create_or_load(
     if stored is None:
         raise UserError(f"study '{name}' was not made by autotune; use another --study-name")
     # a study from before a setting existed had its default (fixed-length data)
-    stored = {"documents": None, **stored}
+    stored = {"documents": None, "data": None, **stored}
+    check_same(name, stored["data"], settings.data)
     for key in settings.identity:
+        if key == "data":
+            continue
         if key in stored and stored[key] != getattr(settings, key):
             what = "another search space" if key == "space" else f"{key}={stored[key]!r}"
             raise UserError(

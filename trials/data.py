@@ -15,13 +15,18 @@ decreasing), each document with its own positions, which transformers turns into
 block-causal mask. A step trains on the same documents either way, and its loss is the mean
 over the same target tokens: packing is exact.
 
+With a user's dataset (``autotune run --data``, ``DatasetDocuments``) the documents are its own,
+in the order the controller chose (``autotune.data_source``: the longest in the last warm-up
+step), and their tokens come from the file it wrote (``trials.user_data``); the layout is the
+same.
+
 ``layout`` (token counts only) is what the estimator reads; ``step_batches`` (tensors) is what
 the job trains on; both come from the same functions here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
@@ -69,6 +74,54 @@ class Documents:
     def __str__(self) -> str:
         return f"{self.shortest}:{self.longest}"
 
+    def lengths_of(self, step: int, count: int, seq_len: int, seed: int) -> list[int]:
+        """The lengths of step ``step``'s ``count`` documents (all ranks'), each at most
+        ``seq_len``; drawn from their own generator, so the estimator reads them without
+        tokens."""
+        import torch
+
+        gen = _generator(seed + 7_919, step)
+        lengths = torch.randint(self.shortest, self.longest + 1, (count,), generator=gen)
+        return [min(int(n), seq_len) for n in lengths]
+
+    def document(
+        self, step: int, index: int, count: int, length: int, vocab: int, seed: int
+    ) -> torch.Tensor:
+        """The tokens of document ``index`` (of ``count``) of step ``step``."""
+        return _document(step, index, length, vocab, seed)
+
+    def timed_steps(self) -> range:
+        """The steps whose mean micro-batch the estimator times (all those it lays out)."""
+        return range(self.steps)
+
+
+@dataclass(frozen=True)
+class DatasetDocuments(Documents):
+    """A user's dataset (``autotune run --data``): ``order`` holds the token length of each
+    document a trial trains on, step after step (``count`` a step, all ranks'), in the fixed
+    order the controller chose (``autotune.data_source``); ``timed``: the measured steps
+    (first, how many), whose mean micro-batch the estimator times, while the memory is that of
+    the largest micro-batch of the ``steps`` tracked ones. ``store``: the documents' tokens,
+    in a job (``trials.user_data``); the estimator reads the lengths only."""
+
+    order: tuple[int, ...] = ()
+    timed: tuple[int, int] = (0, 0)
+    store: Any = field(default=None, compare=False, repr=False)
+
+    def lengths_of(self, step: int, count: int, seq_len: int, seed: int) -> list[int]:
+        n = len(self.order)
+        return [min(self.order[(step * count + i) % n], seq_len) for i in range(count)]
+
+    def document(
+        self, step: int, index: int, count: int, length: int, vocab: int, seed: int
+    ) -> torch.Tensor:
+        if self.store is None:
+            raise RuntimeError("the dataset's tokens were not loaded (trials.user_data)")
+        return self.store.document((step * count + index) % len(self.order))[:length]
+
+    def timed_steps(self) -> range:
+        return range(self.timed[0], self.timed[0] + self.timed[1])
+
 
 def _generator(seed: int, step: int) -> torch.Generator:
     import torch
@@ -95,12 +148,8 @@ def document_lengths(
     step: int, count: int, documents: Documents, seq_len: int, seed: int
 ) -> list[int]:
     """The lengths of step ``step``'s ``count`` documents (all ranks'), each at most
-    ``seq_len``; drawn from their own generator, so the estimator reads them without tokens."""
-    import torch
-
-    gen = _generator(seed + 7_919, step)
-    lengths = torch.randint(documents.shortest, documents.longest + 1, (count,), generator=gen)
-    return [min(int(n), seq_len) for n in lengths]
+    ``seq_len`` (``Documents.lengths_of``)."""
+    return documents.lengths_of(step, count, seq_len, seed)
 
 
 # --- layout: which documents share a row --------------------------------------------------------
@@ -180,14 +229,16 @@ def layout(
     packed: bool,
     seed: int,
     world: int = 1,
+    first: int = 0,
 ) -> list[Shape]:
-    """Every micro-batch's shape over ``steps`` steps on every rank (what a trial trains on)."""
+    """Every micro-batch's shape over steps ``first`` to ``steps`` on every rank (what a
+    trial trains on)."""
     if documents is None:
         full = Shape(micro, seq_len, micro * seq_len, micro * (seq_len - 1))
-        return [full] * (steps * accumulation * world)
+        return [full] * ((steps - first) * accumulation * world)
     return [
         shape_of(rows_of(lengths, seq_len, packed))
-        for step in range(steps)
+        for step in range(first, steps)
         for rank in range(world)
         for lengths in micro_lengths(
             step, micro, accumulation, seq_len, documents, seed, rank, world
@@ -219,7 +270,8 @@ def micro_shapes(
     config: Any, seq_len: int, global_batch_size: int, documents: Documents | None, world: int = 1
 ) -> tuple[Shape, Shape]:
     """(the largest, a typical) micro-batch of a trial of ``config``: what the estimator
-    counts for the memory and for the step time."""
+    counts for the memory (over the tracked steps) and for the step time (over the timed
+    ones: ``Documents.timed_steps``)."""
     from trials.techniques.micro_batch import micro_and_accumulation
     from trials.techniques.packing import packs
 
@@ -227,9 +279,13 @@ def micro_shapes(
     if documents is None:
         full = Shape(micro, seq_len, micro * seq_len, micro * (seq_len - 1))
         return full, full
-    shapes = layout(
-        documents.steps, micro, accum, seq_len, documents, packs(config), documents.seed, world
-    )
+    packed, seed = packs(config), documents.seed
+    shapes = layout(documents.steps, micro, accum, seq_len, documents, packed, seed, world)
+    timed = documents.timed_steps()
+    if timed != range(documents.steps):
+        return largest(shapes), typical(
+            layout(timed.stop, micro, accum, seq_len, documents, packed, seed, world, timed.start)
+        )
     return largest(shapes), typical(shapes)
 
 
@@ -337,10 +393,11 @@ def step_batches(
     step_targets = sum(n - 1 for per_rank in everyone for lengths in per_rank for n in lengths)
     batches = []
     index = rank * micro * accumulation
+    count = micro * accumulation * world
     for lengths in everyone[rank]:
         docs = []
         for n in lengths:
-            docs.append((n, _document(step, index, n, vocab, seed)))
+            docs.append((n, documents.document(step, index, count, n, vocab, seed)))
             index += 1
         # lay out as ``rows_of`` does, each length taking its own document
         waiting = list(docs)

@@ -39,6 +39,7 @@ from trials.techniques.compile import compiles
 from trials.techniques.micro_batch import micro_and_accumulation
 from trials.techniques.packing import packs
 from trials.techniques.quantization import builds_on_host
+from trials.user_data import dataset_documents
 
 __all__ = ["RANK_FAILED_EXIT", "build_model", "main", "rank_batches", "run_trial"]
 
@@ -50,6 +51,10 @@ def rank_batches(spec: TrialSpec, step: int, rank: int, world: int) -> list[Batc
     """This rank's micro-batches of step ``step``: the same data, split across ranks, whatever
     N; padded or packed as the config says (``trials.data``)."""
     micro, accum = micro_and_accumulation(spec.config, spec.global_batch_size)
+    documents = Documents.of(spec.documents, spec.seed)
+    if spec.data:  # the user's dataset: its documents' tokens, from the controller's file
+        timed = (spec.warmup_steps, spec.measured_steps)
+        documents = dataset_documents(spec.data, spec.seed, 0, timed, with_tokens=True)
     return step_batches(
         step,
         micro,
@@ -57,7 +62,7 @@ def rank_batches(spec: TrialSpec, step: int, rank: int, world: int) -> list[Batc
         spec.seq_len,
         int(spec.model_config["vocab_size"]),
         spec.seed,
-        Documents.of(spec.documents, spec.seed),
+        documents,
         packs(spec.config),
         rank,
         world,

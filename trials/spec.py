@@ -41,6 +41,10 @@ class TrialSpec:
     #: the data: [MIN, MAX] tokens per document (``trials.data.Documents``); None: every
     #: sequence is ``seq_len`` tokens
     documents: list[int] | None = None
+    #: a user's dataset (``trials.user_data``): {"file": its documents file, "sha256": the
+    #: file's, "order": each document's token length, in the trial's order}; ``documents``
+    #: then holds their [shortest, longest]
+    data: dict[str, Any] | None = None
 
     def budget_for_rank(self, rank: int) -> int | None:
         return self.rank_budget_bytes.get(str(rank), self.budget_bytes)
@@ -125,6 +129,11 @@ def trial_documents(spec: TrialSpec, backend: str | None = None) -> Documents | 
     data): the estimator lays out the same micro-batches. ``backend``: where the prediction is
     for, when not the spec's (a GPU's allocator sees every step)."""
     steps = tracked_steps(backend or spec.backend, spec.warmup_steps, spec.measured_steps)
+    if spec.data:
+        from trials.user_data import dataset_documents
+
+        timed = (spec.warmup_steps, spec.measured_steps)
+        return dataset_documents(spec.data, spec.seed, steps, timed, with_tokens=False)
     return Documents.of(spec.documents, spec.seed, steps)
 
 

@@ -18,6 +18,7 @@ import optuna
 
 from autotune.backends import backend_named
 from autotune.commands.output import console, resume_hint
+from autotune.data_source import ready as data_ready
 from autotune.display import ladder_table
 from autotune.errors import EnvironmentFailure
 from autotune.estimate_backend import runner_for
@@ -60,6 +61,9 @@ def optimize(
     """Run ``n_trials`` of the study; then, with ``confirm`` (``run``/``resume``, not workers,
     ladder rungs or collecting Slurm jobs), re-measure the finalists."""
     settings = settings_of(study)
+    data_ready(
+        settings.data, study.study_name, backend_named(settings.backend).measures, console.print
+    )
     launched = make_runner(settings.launcher, workdir_for(study), trial_timeout)
     runner = runner_for(settings, launched)
     objective = Objective(

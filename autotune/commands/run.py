@@ -114,6 +114,20 @@ COMMAND_OPTIONS = ("n_trials", "storage", "trial_timeout", "timeout", "strategy"
     help="Train on variable-length documents of MIN to MAX tokens (as fine-tuning data), "
     "padded or packed (the packing dimension); default: every sequence --seq-len tokens.",
 )
+# the user's dataset (autotune/data_source.py, docs/guide/data.md)
+@click.option(
+    "--data",
+    default=None,
+    metavar="PATH_OR_NAME",
+    help="Train on your dataset: a JSONL, Parquet or text file, a saved `datasets` folder, or a "
+    "Hub dataset already in the local cache; its real lengths, padded or packed.",
+)
+@click.option("--data-field", default=None, help="The field of --data holding the text.")
+@click.option(
+    "--tokenizer",
+    default=None,
+    help="Tokenizer of --data: a folder or a cached Hub id (default: the --model folder's).",
+)
 @click.option("--seed", type=click.IntRange(min=0, max=MAX_SEED), default=0, show_default=True)
 @click.option(
     "--strategy",
@@ -177,6 +191,8 @@ def run(**options: Any) -> None:
     settings, name, entry, gpu_target = plan.settings, plan.name, plan.entry, plan.gpu_target
     storage = own["storage"]
     study = create_or_load(open_storage(storage), name, settings, plan.given)
+    if plan.prepared is not None:
+        console.print(plan.prepared.summary(), markup=False)
     where = f"on {gpu_target.name}" if gpu_target else "here"
     for line in plan.dropped:
         console.print(f"unavailable {where}: {line}", style="dim", markup=False)

@@ -11,12 +11,13 @@ from autotune.backends import backend_named
 from autotune.commands.controller import optimize, relaunch
 from autotune.commands.options import LaunchingCommand, controller_options
 from autotune.commands.output import answer, console
+from autotune.data_source import ready as data_ready
 from autotune.errors import UserError
 from autotune.launchers import launcher_of
 from autotune.plan import cuda_available
 from autotune.space import SearchSpace
 from autotune.storage import open_storage
-from autotune.study import load_existing
+from autotune.study import load_existing, settings_of
 
 
 @click.command(cls=LaunchingCommand)
@@ -43,6 +44,7 @@ def worker(
     storage (PostgreSQL across machines; SQLite for workers on one machine).
     """
     study = load_existing(open_storage(storage, must_exist=True), study_name)
+    data_ready(settings_of(study).data, study_name, needs_file=False)  # the same data, or stop
     settings = relaunch(study, launcher)
     if (
         backend_named(settings.backend).cuda
