@@ -56,6 +56,7 @@ from autotune.launchers import (
 )
 from autotune.lossguard import Prober, ProbeSettings
 from autotune.masking import mask_url, url_secrets
+from autotune.model_source import model_settings
 from autotune.models import check_seq_len, resolve_model
 from autotune.pending import PENDING_DIR, PendingResults
 from autotune.progress import StudyProgress
@@ -331,7 +332,8 @@ def _prober(settings: StudySettings, real: TrialRunner) -> tuple[Prober | None, 
     # a local CPU study trains its probes in this process: a probe's proxy trains in seconds,
     # a job process would spend most of its time importing torch and transformers
     local_cpu = type(real) is SubprocessRunner and settings.backend == "cpu"
-    return Prober(settings.model_config, probe, InProcessRunner() if local_cpu else real), ""
+    runner = InProcessRunner() if local_cpu else real
+    return Prober(settings.model_config, probe, runner, settings.weights), ""
 
 
 def _confirm_finalists(
@@ -572,6 +574,13 @@ def next_commands(
 )
 @click.option("--seed", type=click.IntRange(min=0, max=MAX_SEED), default=0, show_default=True)
 @click.option(
+    "--lr",
+    type=FiniteFloat(min=0, min_open=True),
+    default=None,
+    help="Your learning rate: the trials and loss probes train at it (default 3e-3), and every "
+    "export writes it.",
+)
+@click.option(
     "--strategy",
     type=click.Choice(sorted(STRATEGIES)),
     default="autotune",
@@ -633,6 +642,7 @@ def run(
     global_batch_size: int | None,
     documents: str | None,
     seed: int,
+    lr: float | None,
     strategy: str,
     ladder: bool,
     nproc: int | None,
@@ -746,6 +756,7 @@ def run(
         # nodes' memory is not this login node's: --host-memory gives it)
         host_budget_bytes=host_limit
         or (0 if gpu_target or launcher_settings["name"] == "slurm" else machine_memory()),
+        **model_settings(entry.weights, lr),
     )
     name = study_name or settings.default_study_name()
     _check_study_name(name)
@@ -756,6 +767,7 @@ def run(
             ("loss_tolerance", "loss_tolerance"),
             ("seed", "seed"),
             ("target_gpu", "gpu"),
+            ("user_lr", "lr"),
         )
         if ctx.get_parameter_source(option) not in (ParameterSource.DEFAULT, None)
     }

@@ -76,6 +76,11 @@ class StudySettings:
     #: the trial data: [MIN, MAX] tokens per document (``trials.data.Documents``); None: every
     #: sequence is ``seq_len`` tokens
     documents: list[int] | None = None
+    #: the model folder whose pretrained weights every trial and probe starts from (None:
+    #: random init; ``autotune.model_source``)
+    weights: str | None = None
+    #: the learning rate the user gave (``--lr``): ``lr`` is it, and every export writes it
+    user_lr: float | None = None
     #: keys that must match to add trials to an existing study
     identity: tuple[str, ...] = field(
         default=(
@@ -89,6 +94,7 @@ class StudySettings:
             "nproc",
             "nodes",
             "documents",
+            "weights",
         ),
         repr=False,
     )
@@ -132,6 +138,7 @@ class StudySettings:
             nodes=self.nodes,
             host_budget_bytes=self.host_budget_bytes or None,
             documents=self.documents,
+            weights=self.weights,
         )
 
 
@@ -141,7 +148,12 @@ def _settings_attr(study: optuna.Study) -> dict[str, Any] | None:
 
 #: settings a user may give again for an existing study: refused when they differ from its own
 #: (they change how its past trials are judged or what they ran), with the option to omit
-GIVEN_OPTIONS = {"loss_tolerance": "--loss-tolerance", "seed": "--seed", "target_gpu": "--gpu"}
+GIVEN_OPTIONS = {
+    "loss_tolerance": "--loss-tolerance",
+    "seed": "--seed",
+    "target_gpu": "--gpu",
+    "user_lr": "--lr",
+}
 #: seconds to wait for the settings of a study another process has just created
 SETTINGS_WAIT_S = 10.0
 
@@ -178,7 +190,7 @@ def create_or_load(
     if stored is None:
         raise UserError(f"study '{name}' was not made by autotune; use another --study-name")
     # a study from before a setting existed had its default (fixed-length data)
-    stored = {"documents": None, **stored}
+    stored = {"documents": None, "weights": None, **stored}
     for key in settings.identity:
         if key in stored and stored[key] != getattr(settings, key):
             what = "another search space" if key == "space" else f"{key}={stored[key]!r}"
@@ -239,6 +251,8 @@ _SETTING_TYPES: dict[str, tuple[type, ...]] = {
     "float": (int, float),
     "dict[str, Any]": (dict,),
     "list[int] | None": (list, type(None)),
+    "str | None": (str, type(None)),
+    "float | None": (int, float, type(None)),
 }
 
 

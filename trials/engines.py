@@ -82,6 +82,7 @@ class Engine(ABC):
                 spec.config.get("attention", "sdpa"),
                 spec.seed,
                 dtype=model_dtype(spec.config),
+                weights=spec.weights,
             )
 
     def __init__(
@@ -230,6 +231,7 @@ class FsdpEngine(TorchEngine):
                 spec.config.get("attention", "sdpa"),
                 spec.seed,
                 dtype=model_dtype(spec.config),
+                weights=spec.weights,
             )
 
     def wrap(self, model: nn.Module, in_backward: bool) -> nn.Module:
@@ -274,7 +276,9 @@ class DeepSpeedEngine(Engine):
         dtype = weight_dtype(str(cfg.get("precision", "fp32")))
         if int(cfg.get("zero_stage", 0)) != 3:
             with device:
-                return build_model(spec.model_config, attention, spec.seed, dtype=dtype)
+                return build_model(
+                    spec.model_config, attention, spec.seed, dtype=dtype, weights=spec.weights
+                )
         ensure_distributed(spec.backend, deepspeed_comm=True)
         return build_model(
             spec.model_config,
@@ -283,6 +287,7 @@ class DeepSpeedEngine(Engine):
             dtype=dtype,
             init_context=zero3_init(trial_deepspeed_config(spec), monitor.host_allocations),
             gather=gathered,
+            weights=spec.weights,
         )
 
     def __init__(

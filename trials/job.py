@@ -89,7 +89,8 @@ def build(spec: TrialSpec, device: torch.device, monitor: MemoryMonitor) -> nn.M
     device."""
     if builds_on_host(spec.config):
         with monitor.host_allocations(), torch.device("cpu"):
-            return build_model(spec.model_config, spec.config.get("attention", "sdpa"), spec.seed)
+            attention = spec.config.get("attention", "sdpa")
+            return build_model(spec.model_config, attention, spec.seed, weights=spec.weights)
     return ENGINES[engine_for(spec.config)].build(spec, device, monitor)
 
 

@@ -41,6 +41,8 @@ class TrialSpec:
     #: the data: [MIN, MAX] tokens per document (``trials.data.Documents``); None: every
     #: sequence is ``seq_len`` tokens
     documents: list[int] | None = None
+    #: a model folder whose safetensors weights the model starts from (None: random init)
+    weights: str | None = None
 
     def budget_for_rank(self, rank: int) -> int | None:
         return self.rank_budget_bytes.get(str(rank), self.budget_bytes)
