@@ -50,8 +50,12 @@ def test_a_model_folder_resolves_to_its_config_and_weights() -> None:
 
 @pytest.mark.parametrize(
     "config",
-    [{}, {"zero_stage": 3, "reduce_bucket_size": 500_000, "allgather_bucket_size": 500_000}],
-    ids=["torch", "zero3"],
+    [
+        {},
+        {"zero_stage": 3, "reduce_bucket_size": 500_000, "allgather_bucket_size": 500_000},
+        {"fsdp": "full_shard"},
+    ],
+    ids=["torch", "zero3", "fsdp2"],
 )
 def test_a_trial_starts_from_the_pretrained_weights(config: dict[str, Any]) -> None:
     spec = _spec(config)
@@ -137,3 +141,23 @@ def test_a_study_on_a_model_folder_keeps_its_lr_and_exports_it(
     assert side["learning_rate"] == 2e-5 and side["model_folder"] == str(PRETRAINED.resolve())
     ds = json.loads(Path("ds.json").read_text())
     assert ds["optimizer"]["params"]["lr"] == 2e-5
+
+
+@pytest.mark.parametrize(
+    ("model", "line"),
+    [
+        ("./nowhere/model", "no model folder or config.json at ./nowhere/model"),
+        ("someone/absent", "'someone/absent': no such folder here, and not in the local Hugging"),
+    ],
+)
+def test_a_missing_model_is_one_line_and_exit_2(
+    model: str, line: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.conftest import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    result = cli("run", "--model", model, "--budget", "1GB")
+    assert result.exit_code == 2 and line in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert not (tmp_path / "hub").exists() and not (tmp_path / "autotune.db").exists()
