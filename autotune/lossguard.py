@@ -12,7 +12,10 @@ How a verdict is reached depends on the configuration's fidelity class
   same architecture (``proxy_config``), from several seeds, next to fp32 AdamW on the same
   seeds. The regression is the mean over seeds of the paired relative difference of the final
   loss; the noise band is how far the fp32 AdamW final loss moves from seed to seed. Probes are
-  cached per model family (``~/.cache/autotune/probes``), so each combination runs once.
+  cached per model family (``~/.cache/autotune/probes``), so each combination runs once. A study
+  of a pretrained model (``--model`` a model folder) probes the checkpoint itself (or its first
+  layers, ``pretrained_slice``) at the study's learning rate: the fine-tuning failure of lossy
+  numerics (updates below the weights' resolution, lost) shows only there.
 * **adapters** (LoRA on a frozen, quantized base) train a different problem: no verdict, and the
   selector keeps them in their own class.
 

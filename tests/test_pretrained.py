@@ -132,6 +132,12 @@ def test_a_study_on_a_model_folder_keeps_its_lr_and_exports_it(
     assert reference[0] == pytest.approx(_reference_loss(spec), rel=1e-5)  # from the checkpoint
     other = cli(*run, "--lr", "1e-4")
     assert other.exit_code == 2 and "has user_lr=2e-05, not 0.0001 (--lr)" in other.output
+    resumed = cli("resume", "--study", study.study_name, "--trials", "1")
+    assert resumed.exit_code == 0, resumed.output
+    study = optuna.load_study(study_name=None, storage="sqlite:///autotune.db")
+    assert settings_of(study).user_lr == 2e-5 and len(study.trials) == 2
+    # the resumed trial started from the checkpoint too (bf16 compute or not: within 1%)
+    assert study.trials[1].user_attrs["losses"][0] == pytest.approx(reference[0], rel=1e-2)
     for fmt, name in [("deepspeed", "ds.json"), ("hf", "hf.json"), ("axolotl", "ax.yaml")]:
         assert cli("export", "--format", fmt, "--out", name).exit_code == 0
     assert json.loads(Path("hf.json").read_text())["learning_rate"] == 2e-5

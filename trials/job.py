@@ -1,6 +1,7 @@
 """The job one trial runs: ``python -m trials.job SPEC.json RESULT.json``.
 
-It builds the model from its config (random init, fixed seed) the way its engine trains it
+It builds the model from its config (random init, fixed seed; or the spec's pretrained weights,
+``trials.weights``) the way its engine trains it
 (``trials.build``: construction never above steady state), applies each technique of the trial
 config for real, runs warm-up steps (memory tracked, budget enforced) and measured steps (timed
 end to end, optimizer step included), and writes a ``TrialResult`` with the construction and the
