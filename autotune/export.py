@@ -11,7 +11,8 @@ hooks) and the study's settings. An export says what the study decided and nothi
   clipping (``max_grad_norm: 0`` and ``gradient_clipping: 0``), dynamic fp16 loss scaling;
 * what the study did not tune (learning rate, schedule, weight decay, output dir) is left to the
   consumer's defaults (``"auto"`` in DeepSpeed JSON, absent from ``TrainingArguments``) unless the
-  user gives it (``autotune export --lr``), never the trial's internal values;
+  user gives it (``autotune run --lr``, recorded with the study, or ``autotune export --lr``),
+  never the trial's internal values;
 * every export writes ``<stem>.autotune.json`` beside it: where it was measured, the model's
   keyword arguments (``attn_implementation``, which ``TrainingArguments`` cannot carry) and the
   batch shape, for a training script to read.
@@ -22,7 +23,7 @@ from __future__ import annotations
 import json
 import shlex
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,12 @@ class UserSettings:
 NOT_TUNED = ("learning_rate", "lr_scheduler", "weight_decay", "output_dir", "max_steps")
 #: the trials do not clip gradients; 0 disables clipping in TrainingArguments and DeepSpeed alike
 NO_CLIPPING = 0.0
+
+
+def not_tuned(settings: StudySettings) -> list[str]:
+    """What the export leaves to the consumer: ``NOT_TUNED`` but the learning rate given."""
+    given = {"learning_rate"} if settings.user_lr is not None else set()
+    return [key for key in NOT_TUNED if key not in given]
 
 
 def _device(settings: StudySettings) -> str:
@@ -175,8 +182,10 @@ def companion(
         **_parts("companion", config, _run(config, settings)),
         "processes": settings.nproc,
         "max_grad_norm": None,  # the trials do not clip gradients
-        "not_tuned": list(NOT_TUNED),
+        "not_tuned": not_tuned(settings),
+        "learning_rate": settings.user_lr,
         "model": settings.model,
+        "model_folder": settings.weights,
         "seq_len": settings.seq_len,
     }
 
@@ -190,7 +199,7 @@ def _header(config: dict[str, Any], settings: StudySettings, out: Path) -> str:
         f"{measured_on(settings)}\n"
         f"# model: attn_implementation={attention} (from_pretrained/from_config keyword; "
         f"also in {printable(str(_companion_path(out)))})\n"
-        f"# not tuned, left to your defaults: {', '.join(NOT_TUNED)}\n"
+        f"# not tuned, left to your defaults: {', '.join(not_tuned(settings))}\n"
     )
 
 
@@ -372,6 +381,9 @@ def export(
         )
     if not out.parent.exists():
         raise UserError(f"cannot write {out}: folder {out.parent} does not exist")
+    if user.lr is None and settings.user_lr is not None:  # the study's --lr
+        user = replace(user, lr=settings.user_lr)
+    settings = replace(settings, user_lr=user.lr)  # what the header and companion say
     companion_path = _companion_path(out)
     paths = targets(fmt, config, out)
     check_targets(paths, companion_path, force, protected)

@@ -12,7 +12,10 @@ How a verdict is reached depends on the configuration's fidelity class
   same architecture (``proxy_config``), from several seeds, next to fp32 AdamW on the same
   seeds. The regression is the mean over seeds of the paired relative difference of the final
   loss; the noise band is how far the fp32 AdamW final loss moves from seed to seed. Probes are
-  cached per model family (``~/.cache/autotune/probes``), so each combination runs once.
+  cached per model family (``~/.cache/autotune/probes``), so each combination runs once. A study
+  of a pretrained model (``--model`` a model folder) probes the checkpoint itself (or its first
+  layers, ``pretrained_slice``) at the study's learning rate: the fine-tuning failure of lossy
+  numerics (updates below the weights' resolution, lost) shows only there.
 * **adapters** (LoRA on a frozen, quantized base) train a different problem: no verdict, and the
   selector keeps them in their own class.
 
@@ -33,6 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from autotune.model_source import folder_identity
 from autotune.runner import TrialRunner
 from trials.spec import TrialSpec
 from trials.techniques import REGISTRY, fidelity_class, numerics_of
@@ -46,6 +50,8 @@ PROXY_HEADS = 4
 PROXY_VOCAB = 512  # the synthetic data uses the first 256 ids (trials/data.py)
 PROXY_SEQ = 32
 PROXY_BATCH = 8
+#: a pretrained model's probe keeps its first layers up to about this many parameters
+PRETRAINED_PROBE_PARAMS = 30_000_000
 #: the final loss of a probe: the mean over the last tenth of its steps (at least this many)
 FINAL_WINDOW_MIN = 5
 #: config keys that only set the size of a model; the rest names its family
@@ -158,19 +164,47 @@ def _probe_lock(key: str) -> threading.Lock:
         return _PROBE_LOCKS.setdefault(key, threading.Lock())
 
 
+def pretrained_slice(model_config: dict[str, Any]) -> dict[str, Any]:
+    """The pretrained model itself, or its first layers when it is bigger than
+    ``PRETRAINED_PROBE_PARAMS`` (at least one layer: the embeddings and head stay whole)."""
+    from autotune.models import stats_of
+
+    stats = stats_of(model_config)
+    over = stats.n_params - PRETRAINED_PROBE_PARAMS
+    drop = math.ceil(over / stats.layer_params) if over > 0 else 0
+    return {**model_config, "num_hidden_layers": max(1, stats.layers - drop)}
+
+
 class Prober:
-    """Runs and caches probes: one curve per (family, numerics, steps, lr, seed, backend)."""
+    """Runs and caches probes: one curve per (family, numerics, steps, lr, seed, backend).
+
+    With ``weights`` (a model folder) the probe fine-tunes the pretrained model (or its first
+    layers, ``pretrained_slice``) instead of training a random proxy: the failure of lossy
+    numerics in fine-tuning (updates at a small learning rate below the weights' resolution,
+    lost) shows only on trained weights."""
 
     def __init__(
-        self, model_config: dict[str, Any], settings: ProbeSettings, runner: TrialRunner
+        self,
+        model_config: dict[str, Any],
+        settings: ProbeSettings,
+        runner: TrialRunner,
+        weights: str | None = None,
     ) -> None:
-        self.proxy = proxy_config(model_config)
+        self.weights = weights
+        self.proxy = pretrained_slice(model_config) if weights else proxy_config(model_config)
         self.family = model_family(model_config)
+        if weights:  # the cache is per checkpoint (a retrained one is another model)
+            self.family += "-" + hashlib.sha256(folder_identity(weights).encode()).hexdigest()[:8]
         self.settings = settings
         self.runner = runner
         self.path = _cache_dir() / f"{self.family}.json"
         #: hears a line before each probe that trains (not for a cached curve)
         self.say: Callable[[str], None] | None = None
+
+    def _proxy_name(self) -> str:
+        if self.weights:
+            return f"pretrained weights ({self.proxy['num_hidden_layers']} layers)"
+        return f"{PROXY_LAYERS}x{PROXY_HIDDEN} proxy"
 
     def _key(self, numerics: dict[str, str], seed: int) -> str:
         s = self.settings
@@ -217,13 +251,14 @@ class Prober:
             measured_steps=self.settings.steps,
             seed=seed,
             lr=self.settings.lr,
+            weights=self.weights,
         )
         name = "probe-" + hashlib.sha256(key.encode()).hexdigest()[:10]
         if self.say is not None:
             what = ", ".join(f"{k}={v}" for k, v in sorted(numerics.items())) or "fp32 AdamW"
             self.say(
                 f"loss probe: {what}, seed {seed}, {self.settings.steps} steps on the "
-                f"{PROXY_LAYERS}x{PROXY_HIDDEN} proxy (cached for later studies)"
+                f"{self._proxy_name()} (cached for later studies)"
             )
         result = self.runner.run(spec, name)
         if result.status != "ok" or not result.losses:
@@ -239,6 +274,8 @@ class Prober:
         what = (
             f"proxy {self.family} {PROXY_LAYERS}x{PROXY_HIDDEN}, {s.steps} steps x {s.seeds} seeds"
         )
+        if self.weights:
+            what = f"{self._proxy_name()}, {s.steps} steps x {s.seeds} seeds at lr {s.lr:g}"
         diffs, refs = [], []
         for seed in range(s.seeds):
             ref, why = self.curve(plain, seed)

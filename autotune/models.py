@@ -12,12 +12,13 @@ from __future__ import annotations
 import difflib
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
 from autotune.errors import UserError
+from autotune.model_source import check_weights, model_folder
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,8 @@ class ModelEntry:
     seq_len: int  # a study's default training sequence length, in tokens
     global_batch_size: int  # a study's default sequences per optimizer step
     description: str = ""
+    #: the model folder its pretrained weights are loaded from (None: random init)
+    weights: str | None = None
 
     @property
     def n_params(self) -> int:
@@ -734,9 +737,17 @@ def check_seq_len(seq_len: int | None, config: dict[str, Any], model: str) -> No
 
 
 def resolve_model(name_or_path: str) -> ModelEntry:
-    """A registered name, or a path to a transformers ``config.json`` (local files only)."""
+    """A registered name, a path to a transformers ``config.json``, or a model folder / cached
+    Hub id with its pretrained weights (``autotune.model_source``; local files only)."""
     if name_or_path in REGISTRY:
         return REGISTRY[name_or_path]
+    folder = model_folder(name_or_path)
+    if folder is not None:
+        entry = resolve_model(str(folder / "config.json"))
+        check_weights(folder, name_or_path, entry.config)
+        local = Path(name_or_path).expanduser().is_dir()
+        name = Path(name_or_path).resolve().name if local else name_or_path
+        return replace(entry, name=name, description=str(folder), weights=str(folder))
     path = Path(name_or_path)
     if path.suffix == ".json" or path.exists():
         if not path.is_file():

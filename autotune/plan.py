@@ -24,6 +24,7 @@ from autotune.estimate_cli import MAX_SEQ_LEN, banner
 from autotune.estimator.gpus import GpuSpec, gpu_spec
 from autotune.hardware import Hardware
 from autotune.launchers import LAUNCHERS, launcher_attrs, launcher_of
+from autotune.model_source import model_settings
 from autotune.models import ModelEntry, check_seq_len, resolve_model
 from autotune.space import SearchSpace
 from autotune.study import DEFAULT_ALLOW, GIVEN_OPTIONS, StudySettings
@@ -38,7 +39,12 @@ MAX_CPU_TRIAL_PARAMS = 500_000_000
 MAX_STUDY_NAME = 200
 #: the settings a user may give again for an existing study (``GIVEN_OPTIONS``), by the
 #: ``RunOptions`` field that gives each
-GIVEN_BY = {"loss_tolerance": "loss_tolerance", "seed": "seed", "target_gpu": "gpu"}
+GIVEN_BY = {
+    "loss_tolerance": "loss_tolerance",
+    "seed": "seed",
+    "target_gpu": "gpu",
+    "user_lr": "lr",
+}
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,7 @@ class RunOptions:
     data_field: str | None = None
     tokenizer: str | None = None
     seed: int = 0
+    lr: float | None = None  # the user's learning rate (None: the trials' default)
     nproc: int | None = None
     gpus: int | None = None
     nodes: int = 1
@@ -201,6 +208,7 @@ def plan_study(options: RunOptions, say: Callable[[str], None] = lambda line: No
         # (Slurm: the nodes' memory is not this login node's: --host-memory gives it)
         host_budget_bytes=host_limit
         or (0 if gpu_target or launcher_of(launcher_settings).remote else machine_memory()),
+        **model_settings(entry.weights, o.lr),
     )
     prepared = attach_data(settings, o.data, o.data_field, o.tokenizer, o.model)
     name = o.study_name or settings.default_study_name()

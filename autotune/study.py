@@ -80,6 +80,11 @@ class StudySettings:
     #: the user's dataset (``autotune.data_source``): its identity (source, bytes, SHA-256,
     #: field, tokenizer, length histogram) and the trial's documents; None: synthetic data
     data: dict[str, Any] | None = None
+    #: the model folder whose pretrained weights every trial and probe starts from (None:
+    #: random init; ``autotune.model_source``)
+    weights: str | None = None
+    #: the learning rate the user gave (``--lr``): ``lr`` is it, and every export writes it
+    user_lr: float | None = None
     #: keys that must match to add trials to an existing study
     identity: tuple[str, ...] = field(
         default=(
@@ -94,6 +99,7 @@ class StudySettings:
             "nodes",
             "documents",
             "data",
+            "weights",
         ),
         repr=False,
     )
@@ -142,6 +148,7 @@ class StudySettings:
             host_budget_bytes=self.host_budget_bytes or None,
             documents=self.documents,
             data=spec_data(self.data),
+            weights=self.weights,
         )
 
 
@@ -151,7 +158,12 @@ def _settings_attr(study: optuna.Study) -> dict[str, Any] | None:
 
 #: settings a user may give again for an existing study: refused when they differ from its own
 #: (they change how its past trials are judged or what they ran), with the option to omit
-GIVEN_OPTIONS = {"loss_tolerance": "--loss-tolerance", "seed": "--seed", "target_gpu": "--gpu"}
+GIVEN_OPTIONS = {
+    "loss_tolerance": "--loss-tolerance",
+    "seed": "--seed",
+    "target_gpu": "--gpu",
+    "user_lr": "--lr",
+}
 #: seconds to wait for the settings of a study another process has just created
 SETTINGS_WAIT_S = 10.0
 
@@ -188,7 +200,7 @@ def create_or_load(
     if stored is None:
         raise UserError(f"study '{name}' was not made by autotune; use another --study-name")
     # a study from before a setting existed had its default (fixed-length data)
-    stored = {"documents": None, "data": None, **stored}
+    stored = {"documents": None, "data": None, "weights": None, **stored}
     check_same(name, stored["data"], settings.data)
     for key in settings.identity:
         if key == "data":
@@ -252,6 +264,8 @@ _SETTING_TYPES: dict[str, tuple[type, ...]] = {
     "float": (int, float),
     "dict[str, Any]": (dict,),
     "list[int] | None": (list, type(None)),
+    "str | None": (str, type(None)),
+    "float | None": (int, float, type(None)),
 }
 
 

@@ -76,12 +76,13 @@ BAD_ENGINE = (
 )
 
 
-def _header(settings_line: str, attention: str, out: Path) -> list[str]:
+def _header(settings_line: str, attention: str, out: Path, lr: bool = False) -> list[str]:
+    """The comment lines; with a learning rate given it is written, not left to the defaults."""
     return [
         f"# autotune winner for tiny-llama within 300MB: {settings_line}",
         f"# model: attn_implementation={attention} (from_pretrained/from_config keyword; "
         f"also in {out.with_name(out.stem + '.autotune.json')})",
-        NOT_TUNED_LINE,
+        NOT_TUNED_LINE.replace("learning_rate, ", "") if lr else NOT_TUNED_LINE,
     ]
 
 
@@ -245,7 +246,7 @@ def test_axolotl_export_header_and_key_order(deepspeed: bool, tmp_path: Path) ->
     user = UserSettings(lr=2e-4, weight_decay=0.1)
     out = export("axolotl", config, CPU, tmp_path / "out.yaml", user)
     lines = out.read_text().splitlines()
-    assert lines[:3] == _header(CPU_SENTENCE, config["attention"], out)
+    assert lines[:3] == _header(CPU_SENTENCE, config["attention"], out, lr=True)
     assert not any(line.startswith("#") for line in lines[3:])
     frag = yaml.safe_load(out.read_text())
     keys = list(frag)  # document order: the sequence first, the user's and the file last
@@ -325,7 +326,7 @@ def test_command_with_deepspeed_launches_deepspeed_on_every_process(tmp_path: Pa
     lines = out.read_text().splitlines()
     assert lines[:5] == [
         "#!/usr/bin/env bash",
-        *_header(CUDA_SENTENCE, "eager", out),
+        *_header(CUDA_SENTENCE, "eager", out, lr=True),
         TRAIN_PY_NOTE,
     ]
     ds_file = tmp_path / "out.deepspeed.json"

@@ -96,7 +96,10 @@ def test_every_format_reads_back_as_the_winner(case: str, where: str, tmp_path: 
     assert side["note"].startswith("measured on CPU" if on_cpu else "predicted for GPU H100-80GB")
     assert side["model"] == "tiny-llama" and side["seq_len"] == 64
     assert side["max_grad_norm"] is None
-    assert set(side["not_tuned"]) >= {"learning_rate", "weight_decay", "output_dir"}
+    assert set(side["not_tuned"]) >= {"weight_decay", "output_dir"}
+    # a learning rate given is written, and no longer said to be left to the trainer's default
+    assert ("learning_rate" in side["not_tuned"]) == (user.lr is None)
+    assert side["learning_rate"] == user.lr
     assert (side["deepspeed_config"] is not None) == (stage is not None)
 
     # TrainingArguments

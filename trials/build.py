@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from trials.techniques.attention import ATTENTION
+from trials.weights import load_weights
 
 #: ``params -> context`` in which those parameters are whole (ZeRO-3's GatheredParameters)
 Gather = Callable[[list[nn.Parameter]], ContextManager[Any]]
@@ -60,11 +61,13 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     init_context: ContextManager[Any] | None = None,
     gather: Gather | None = None,
+    weights: str | None = None,
 ) -> nn.Module:
     """A transformers causal LM from a config dict, its weights a function of ``seed`` alone.
 
     Built where the caller's context puts it (``with torch.device(...)``, or ``init_context``
-    such as ``deepspeed.zero.Init``), in ``dtype``, never initialised twice.
+    such as ``deepspeed.zero.Init``), in ``dtype``, never initialised twice; with ``weights`` (a
+    model folder) its weights are the checkpoint's instead (``trials.weights``).
     """
     # imported before any init context is entered: deepspeed.zero.Init patches tensor
     # constructors, which torch._dynamo (imported by transformers' modeling code) refuses
@@ -79,5 +82,8 @@ def build_model(
         model = AutoModelForCausalLM.from_config(
             config, attn_implementation=ATTENTION[attention], dtype=dtype
         )
-    initialize(model, seed, gather)
+    if weights:
+        load_weights(model, weights, gather)
+    else:
+        initialize(model, seed, gather)
     return model

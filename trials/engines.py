@@ -83,6 +83,7 @@ class Engine(ABC):
                 attn_implementation(spec.config),
                 spec.seed,
                 dtype=model_dtype(spec.config),
+                weights=spec.weights,
             )
 
     def __init__(
@@ -231,6 +232,7 @@ class FsdpEngine(TorchEngine):
                 attn_implementation(spec.config),
                 spec.seed,
                 dtype=model_dtype(spec.config),
+                weights=spec.weights,
             )
 
     def wrap(self, model: nn.Module, in_backward: bool) -> nn.Module:
@@ -273,7 +275,9 @@ class DeepSpeedEngine(Engine):
         dtype = weight_dtype(precision_of(cfg))
         if not partitions_params(cfg):
             with device:
-                return build_model(spec.model_config, attention, spec.seed, dtype=dtype)
+                return build_model(
+                    spec.model_config, attention, spec.seed, dtype=dtype, weights=spec.weights
+                )
         ensure_distributed(spec.backend, deepspeed_comm=True)
         return build_model(
             spec.model_config,
@@ -282,6 +286,7 @@ class DeepSpeedEngine(Engine):
             dtype=dtype,
             init_context=zero3_init(trial_deepspeed_config(spec), monitor.host_allocations),
             gather=gathered,
+            weights=spec.weights,
         )
 
     def __init__(

@@ -1,6 +1,7 @@
 """The job one trial runs: ``python -m trials.job SPEC.json RESULT.json``.
 
-It builds the model from its config (random init, fixed seed) the way its engine trains it
+It builds the model from its config (random init, fixed seed; or the spec's pretrained weights,
+``trials.weights``) the way its engine trains it
 (``trials.build``: construction never above steady state), applies each technique of the trial
 config for real, runs warm-up steps (memory tracked, budget enforced) and measured steps (timed
 end to end, optimizer step included), and writes a ``TrialResult`` with the construction and the
@@ -95,7 +96,8 @@ def build(spec: TrialSpec, device: torch.device, monitor: MemoryMonitor) -> nn.M
     device."""
     if builds_on_host(spec.config):
         with monitor.host_allocations(), torch.device("cpu"):
-            return build_model(spec.model_config, attn_implementation(spec.config), spec.seed)
+            attention = attn_implementation(spec.config)
+            return build_model(spec.model_config, attention, spec.seed, weights=spec.weights)
     return ENGINES[engine_for(spec.config)].build(spec, device, monitor)
 
 

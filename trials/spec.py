@@ -45,6 +45,8 @@ class TrialSpec:
     #: file's, "order": each document's token length, in the trial's order}; ``documents``
     #: then holds their [shortest, longest]
     data: dict[str, Any] | None = None
+    #: a model folder whose safetensors weights the model starts from (None: random init)
+    weights: str | None = None
 
     def budget_for_rank(self, rank: int) -> int | None:
         return self.rank_budget_bytes.get(str(rank), self.budget_bytes)

@@ -223,7 +223,8 @@ def _prober(settings: StudySettings, real: TrialRunner) -> tuple[Prober | None, 
     # a local CPU study trains its probes in this process: a probe's proxy trains in seconds,
     # a job process would spend most of its time importing torch and transformers
     local_cpu = type(real) is SubprocessRunner and backend.measures and not backend.cuda
-    return Prober(settings.model_config, probe, InProcessRunner() if local_cpu else real), ""
+    runner = InProcessRunner() if local_cpu else real
+    return Prober(settings.model_config, probe, runner, settings.weights), ""
 
 
 def _confirm_finalists(

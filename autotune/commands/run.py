@@ -130,6 +130,13 @@ COMMAND_OPTIONS = ("n_trials", "storage", "trial_timeout", "timeout", "strategy"
 )
 @click.option("--seed", type=click.IntRange(min=0, max=MAX_SEED), default=0, show_default=True)
 @click.option(
+    "--lr",
+    type=FiniteFloat(min=0, min_open=True),
+    default=None,
+    help="Your learning rate: the trials and loss probes train at it (default 3e-3), and every "
+    "export writes it.",
+)
+@click.option(
     "--strategy",
     type=click.Choice(sorted(STRATEGIES)),
     default="autotune",
