@@ -84,6 +84,7 @@ from autotune.study import (
     write_error_reason,
 )
 from autotune.terminal import make_console, printable, shell_line
+from autotune.trial_cost import TIMEOUT_FLOOR_S, study_costs
 from autotune.units import budget_label, format_size, parse_size
 from trials.data import Documents
 from trials.techniques import FIDELITY_CLASSES, classes_up_to
@@ -127,7 +128,9 @@ trial_timeout_option = click.option(
     type=FiniteFloat(min=1.0),
     default=600.0,
     show_default=True,
-    help="Seconds before a trial job is killed and marked failed.",
+    help="The most seconds a trial job may run before it is killed and marked failed; each "
+    "trial's own limit is 4x its predicted steps' time, at least --trial-timeout-floor "
+    "(docs/guide/reliability.md).",
 )
 force_option = click.option(
     "--force",
@@ -176,6 +179,9 @@ def _optimize(
         runner,
         *_prober(settings, launched),
         pending=PendingResults(workdir_for(study) / PENDING_DIR),
+        costs=None
+        if settings.backend == "estimate"
+        else study_costs(settings, trial_timeout, settings.trial_timeout_floor_s),
     )
     # measurements an earlier controller kept on disk (its storage failed, it was stopped)
     for number, where in objective.replay_pending():
@@ -203,6 +209,7 @@ def _optimize(
     )
     # a line per finished trial and per long phase, in a terminal (above a bar) or not
     with StudyProgress(study, console, n_trials).running() as progress:
+        objective.say = progress.say
         if objective.prober is not None:
             objective.prober.say = progress.say
         stopping = launched.stopping if isinstance(launched, SlurmRunner) else None
@@ -560,6 +567,14 @@ def next_commands(
     help="Seeds per probe: their spread is the noise band shown with each verdict.",
 )
 @trial_timeout_option
+@click.option(
+    "--trial-timeout-floor",
+    type=FiniteFloat(min=1.0),
+    default=TIMEOUT_FLOOR_S,
+    show_default=True,
+    help="The least seconds a trial job gets before it is killed (its start: imports, model "
+    "build), whatever its predicted steps take.",
+)
 @timeout_option
 @click.option("--seq-len", type=click.IntRange(min=8, max=MAX_SEQ_LEN), default=None)
 @click.option("--global-batch-size", type=click.IntRange(min=1, max=MAX_BATCH), default=None)
@@ -628,6 +643,7 @@ def run(
     confirm_rounds: int,
     probe_seeds: int,
     trial_timeout: float,
+    trial_timeout_floor: float,
     timeout: float | None,
     seq_len: int | None,
     global_batch_size: int | None,
@@ -739,6 +755,7 @@ def run(
         probe_steps=probe_steps if probe_steps is not None else (0 if gpu_target else 200),
         probe_seeds=probe_seeds,
         confirm_rounds=confirm_rounds,
+        trial_timeout_floor_s=trial_timeout_floor,
         nodes=nodes,
         documents=docs.stored() if docs else None,
         launcher=launcher_settings,

@@ -41,6 +41,9 @@ class TrialSpec:
     #: the data: [MIN, MAX] tokens per document (``trials.data.Documents``); None: every
     #: sequence is ``seq_len`` tokens
     documents: list[int] | None = None
+    #: seconds the controller lets this job run before it is killed (None: the runner's own
+    #: limit); derived from the predicted step time (``autotune.trial_cost``)
+    timeout_s: float | None = None
 
     def budget_for_rank(self, rank: int) -> int | None:
         return self.rank_budget_bytes.get(str(rank), self.budget_bytes)
