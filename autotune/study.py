@@ -649,10 +649,7 @@ class Objective:
                 spec.measured_steps, spec.timeout_s = cost.measured_steps, cost.timeout_s
                 for key, value in cost.attrs().items():
                     trial.set_user_attr(key, value)
-                if self.say is not None and (
-                    cost.measured_steps < self.settings.measured_steps
-                    or cost.timeout_s < self.costs.ceiling_s
-                ):
+                if self.say is not None and cost.measured_steps < self.settings.measured_steps:
                     self.say(
                         f"trial #{trial.number}: "
                         f"{describe_cost(cost, self.settings.measured_steps)}"

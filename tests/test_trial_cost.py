@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import optuna
+import pytest
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState, create_trial
 
@@ -122,11 +123,34 @@ def test_the_predicted_step_is_calibrated_by_the_study_s_measurements() -> None:
     }
 
 
-def test_a_derived_time_limit_is_hit_and_recorded_through_the_cli(tmp_path: Path) -> None:
-    """A tiny-llama study whose one measured trial says this machine runs a step in a millionth
-    of the predicted time: the next trial's limit is the floor (1 s), its job is killed there,
-    and the trial records the limit, its steps and its timeout; the sampler does not plan it
-    again."""
+@pytest.mark.parametrize(
+    ("ratio", "args", "limit", "steps", "line"),
+    [
+        # a step in a millionth of the predicted time: the study's 6 steps, 4 x 8 x ~0 s -> the
+        # floor, 1 s; nothing to say
+        (1e-6, (), 1.0, 6, None),
+        # a million times the predicted time: 3 steps, said, and the ceiling, which the trial's
+        # 2 warm-up and 3 measured steps finish within
+        (
+            1e6,
+            ("--trial-timeout", "300"),
+            300.0,
+            3,
+            "3 measured steps instead of 6, time limit 300 s",
+        ),
+    ],
+)
+def test_a_derived_time_limit_is_hit_and_recorded_through_the_cli(
+    tmp_path: Path,
+    ratio: float,
+    args: tuple[str, ...],
+    limit: float,
+    steps: int,
+    line: str | None,
+) -> None:
+    """A tiny-llama study whose one measured trial (the reference) calibrates this machine's
+    step against the prediction by ``ratio``: the next trial's limit and steps follow, its job
+    is killed at the limit, and the trial records the limit, its steps and its timeout."""
     url = f"sqlite:///{tmp_path / 'db.sqlite'}"
     study = make_study(url, "cost", DATA / "tiny_space.yaml", budget="1GB")
     settings = dict(study.user_attrs["settings"])
@@ -147,7 +171,7 @@ def test_a_derived_time_limit_is_hit_and_recorded_through_the_cli(tmp_path: Path
         "config": reference,
         "role": "reference",
         "status": "ok",
-        "step_time_s": predicted_step * 1e-6,
+        "step_time_s": predicted_step * ratio,
         "losses": [5.0, 4.9],
         "peak_bytes": 1,
     }.items():
@@ -165,6 +189,7 @@ def test_a_derived_time_limit_is_hit_and_recorded_through_the_cli(tmp_path: Path
             "cost",
             "--trials",
             "1",
+            *args,
             "--storage",
             url,
         ],
@@ -176,10 +201,14 @@ def test_a_derived_time_limit_is_hit_and_recorded_through_the_cli(tmp_path: Path
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout
-    # a step predicted at a millionth of a second: 6 measured steps, 4 x 8 x ~0 -> the floor
-    timed_out = study.get_trials(deepcopy=False)[1]
-    assert timed_out.user_attrs["trial_timeout_s"] == 1.0
-    assert timed_out.user_attrs["measured_steps"] == 6
-    assert timed_out.user_attrs["error"] == "timed out after 1s"
-    assert timed_out.state == TrialState.FAIL  # a timeout stays a timeout: tried, not planned
-    assert "time limit 1 s" in proc.stdout
+    trial = study.get_trials(deepcopy=False)[1]
+    assert trial.user_attrs["trial_timeout_s"] == limit
+    assert trial.user_attrs["measured_steps"] == steps
+    if line is None:  # killed at the floor
+        assert trial.user_attrs["error"] == f"timed out after {limit:g}s"
+        assert trial.state == TrialState.FAIL  # a timeout stays a timeout: tried, not planned
+    else:  # the job ran the fewer steps: a loss per warm-up and measured step
+        assert trial.user_attrs["status"] == "ok", trial.user_attrs.get("error")
+        assert len(trial.user_attrs["losses"]) == 2 + steps
+    said = [x for x in proc.stdout.splitlines() if x.startswith("trial #1: predicted step")]
+    assert [x.split(": ", 2)[2] for x in said] == ([line] if line else []), proc.stdout
