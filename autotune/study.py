@@ -76,7 +76,7 @@ class StudySettings:
     #: interleaved re-measurement rounds of the finalists (autotune/finalists.py); 0: none
     confirm_rounds: int = 2
     #: the least seconds a trial job gets before it is killed (``autotune.trial_cost``)
-    trial_timeout_floor_s: float = 120.0
+    trial_timeout_floor_s: float = 300.0
     #: the trial data: [MIN, MAX] tokens per document (``trials.data.Documents``); None: every
     #: sequence is ``seq_len`` tokens
     documents: list[int] | None = None

@@ -40,8 +40,9 @@ MEASURE_BUDGET_S = 60.0
 MIN_MEASURED_STEPS = 3
 #: a trial's time limit: this many times the predicted time of all its steps ...
 TIMEOUT_FACTOR = 4.0
-#: ... and at least this many seconds (the job's start: imports, model build, first step)
-TIMEOUT_FLOOR_S = 120.0
+#: ... and at least this many seconds (the job's start: imports, a DeepSpeed op's first build,
+#: the model's build, the first step)
+TIMEOUT_FLOOR_S = 300.0
 #: trial user attrs: what this trial was allowed (its record and the console say so)
 PREDICTED_STEP_ATTR = "predicted_step_s"
 MEASURED_STEPS_ATTR = "measured_steps"

@@ -42,10 +42,11 @@ def test_fewer_measured_steps_where_the_step_is_predicted_slow() -> None:
 
 
 def test_the_time_limit_is_four_times_the_predicted_steps_within_floor_and_ceiling() -> None:
-    # 4 x 8 steps x 5 s = 160 s; 4 x 8 x 1 s = 32 s -> the floor, 120; 4 x 5 x 100 s = 2000 s ->
-    # the ceiling, 600; no prediction: the ceiling
-    assert timeout_for(5.0, 8, 600.0) == 160.0
-    assert timeout_for(1.0, 8, 600.0) == 120.0
+    # 4 x 8 steps x 10 s = 320 s; 4 x 8 x 5 s = 160 s -> the default floor, 300; 4 x 5 x 100 s =
+    # 2000 s -> the ceiling, 600; no prediction: the ceiling
+    assert timeout_for(10.0, 8, 600.0) == 320.0
+    assert timeout_for(5.0, 8, 600.0) == 300.0
+    assert timeout_for(5.0, 8, 600.0, floor_s=120.0) == 160.0
     assert timeout_for(100.0, 5, 600.0) == 600.0
     assert timeout_for(None, 8, 600.0) == 600.0
     assert timeout_for(0.01, 8, 600.0, floor_s=1.0) == 1.0  # ceil(0.32) = 1
@@ -101,7 +102,7 @@ def test_the_predicted_step_is_calibrated_by_the_study_s_measurements() -> None:
     study = optuna.create_study(directions=["maximize", "minimize"])
     least, fast, over = _configs("least-memory", "fits-fast", "over-budget")
     calibration = Calibration(_predict, 100.0, prior=1.5)
-    costs = TrialCosts(calibration, most_steps=6, warmup_steps=2, ceiling_s=600.0)
+    costs = TrialCosts(calibration, most_steps=6, warmup_steps=2, ceiling_s=600.0, floor_s=120.0)
     # nothing measured: the prior, 1.5 x the 20 s step = 30 s -> 60 // 30 = 2, so 3 steps, and
     # 4 x 5 x 30 = 600 s
     cost = costs.for_config(fast, study)
