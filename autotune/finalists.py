@@ -20,6 +20,7 @@ import optuna
 from autotune.runner import TrialRunner
 from autotune.selector import GROUPS, rows_of
 from autotune.study import settings_of
+from autotune.trial_cost import MEASURED_STEPS_ATTR, TIMEOUT_ATTR
 
 #: re-measurement rounds per finalist, and the most finalists re-measured per class group
 CONFIRM_ROUNDS = 2
@@ -66,7 +67,7 @@ def remeasure(
     """Re-measure every group's finalists, interleaved; returns how many jobs ran. ``say`` hears
     a line before each job (what is being re-measured, and which run of how many)."""
     settings = settings_of(study)
-    configs = {t.number: t.user_attrs["config"] for t in study.get_trials(deepcopy=False)}
+    trials = {t.number: t.user_attrs for t in study.get_trials(deepcopy=False)}
     ran = 0
     for numbers in finalists(study) if rounds > 0 else []:
         samples: dict[str, list[float]] = {str(n): [] for n in numbers}
@@ -74,7 +75,10 @@ def remeasure(
         for k, (i, n) in enumerate(runs, 1):
             if say is not None:
                 say(f"re-measuring the finalists side by side: #{n} ({k}/{len(runs)})")
-            spec = settings.spec(configs[n], settings.budget_bytes)
+            spec = settings.spec(trials[n]["config"], settings.budget_bytes)
+            # the steps and time limit the trial itself had (``autotune.trial_cost``)
+            spec.measured_steps = int(trials[n].get(MEASURED_STEPS_ATTR) or spec.measured_steps)
+            spec.timeout_s = trials[n].get(TIMEOUT_ATTR)
             result = runner.run(spec, f"confirm-{n}-{i}")
             ran += 1
             if result.status == "ok":

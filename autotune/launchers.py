@@ -383,7 +383,8 @@ class SlurmRunner(TrialRunner):
         job_cmd = [self.python, "-m", "trials.job", str(spec_path), str(result_path)]
         job_name = re.sub(r"[^A-Za-z0-9._-]+", "_", f"autotune-{self.workdir.name}-{name}")
         script = trial_dir / "job.sbatch"
-        script.write_text(batch_script(spec, self.options, self.timeout_s, job_cmd,
+        limit = spec.timeout_s or self.timeout_s  # the trial's own (autotune.trial_cost)
+        script.write_text(batch_script(spec, self.options, limit, job_cmd,
                                        trial_dir / "slurm-%j.log", job_name))  # fmt: skip
         out = _slurm("sbatch", "--parsable", str(script), check=False, spec=spec)
         if out.returncode != 0:

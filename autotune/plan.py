@@ -29,6 +29,7 @@ from autotune.models import ModelEntry, check_seq_len, resolve_model
 from autotune.space import SearchSpace
 from autotune.study import DEFAULT_ALLOW, GIVEN_OPTIONS, StudySettings
 from autotune.terminal import printable
+from autotune.trial_cost import TIMEOUT_FLOOR_S
 from autotune.units import budget_label, parse_size
 from trials.data import Documents
 from trials.techniques import classes_up_to
@@ -62,6 +63,7 @@ class RunOptions:
     allow: str = DEFAULT_ALLOW
     probe_steps: int | None = None
     confirm_rounds: int = 2
+    trial_timeout_floor: float = TIMEOUT_FLOOR_S
     probe_seeds: int = 2
     seq_len: int | None = None
     global_batch_size: int | None = None
@@ -201,6 +203,7 @@ def plan_study(options: RunOptions, say: Callable[[str], None] = lambda line: No
         probe_steps=o.probe_steps if o.probe_steps is not None else (0 if gpu_target else 200),
         probe_seeds=o.probe_seeds,
         confirm_rounds=o.confirm_rounds,
+        trial_timeout_floor_s=o.trial_timeout_floor,
         nodes=nodes,
         documents=docs.stored() if docs else None,
         launcher=launcher_settings,

@@ -227,6 +227,7 @@ class SubprocessRunner(TrialRunner):
         rank_paths = [rank_result_path(result_path, r, spec.nproc) for r in range(spec.nproc)]
         spec_path.write_text(spec.to_json())
         env = trial_env(dict(os.environ), spec)
+        limit = spec.timeout_s or self.timeout_s
         start = time.perf_counter()
         with open(stderr_path, "wb") as err:
             proc = subprocess.Popen(
@@ -239,12 +240,12 @@ class SubprocessRunner(TrialRunner):
             )
             (trial_dir / "job.pid").write_text(str(proc.pid))
             try:
-                code = self._wait(proc, rank_paths)
+                code = self._wait(proc, rank_paths, limit)
             except subprocess.TimeoutExpired:
                 kill_group(proc)
                 return TrialResult(
                     status="failed",
-                    error=f"{TIMEOUT_ERROR} {self.timeout_s:g}s",
+                    error=f"{TIMEOUT_ERROR} {limit:g}s",
                     stderr_tail=_tail(stderr_path),
                     transient=True,
                     wall_s=time.perf_counter() - start,
@@ -280,11 +281,11 @@ class SubprocessRunner(TrialRunner):
             wall_s=time.perf_counter() - start,
         )
 
-    def _wait(self, proc: subprocess.Popen[bytes], rank_paths: list[Path]) -> int:
+    def _wait(self, proc: subprocess.Popen[bytes], rank_paths: list[Path], limit: float) -> int:
         """The job's exit code. In a multi-process trial, once a rank has reported an OOM or a
         failure the others get ``RANK_GRACE_S`` to end (torchrun stops them) and are then
         killed: they would otherwise wait in a collective until the trial timeout."""
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + limit
         bad_since: float | None = None
         while True:
             try:
@@ -293,7 +294,7 @@ class SubprocessRunner(TrialRunner):
                 pass
             now = time.monotonic()
             if now >= deadline:
-                raise subprocess.TimeoutExpired(proc.args, self.timeout_s)
+                raise subprocess.TimeoutExpired(proc.args, limit)
             if (
                 len(rank_paths) > 1
                 and bad_since is None

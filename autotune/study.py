@@ -32,6 +32,8 @@ from autotune.pending import Held, PendingResults
 from autotune.runner import TrialRunner
 from autotune.space import SearchSpace
 from autotune.terminal import printable
+from autotune.trial_cost import TrialCosts
+from autotune.trial_cost import describe as describe_cost
 from trials.data import Documents
 from trials.spec import TrialResult, TrialSpec, tracked_steps, trial_documents
 from trials.techniques import fidelity_class
@@ -74,6 +76,8 @@ class StudySettings:
     probe_seeds: int = 2
     #: interleaved re-measurement rounds of the finalists (autotune/finalists.py); 0: none
     confirm_rounds: int = 2
+    #: the least seconds a trial job gets before it is killed (``autotune.trial_cost``)
+    trial_timeout_floor_s: float = 300.0
     #: the trial data: [MIN, MAX] tokens per document (``trials.data.Documents``); None: every
     #: sequence is ``seq_len`` tokens
     documents: list[int] | None = None
@@ -334,6 +338,21 @@ def least_memory_exact(space: SearchSpace, settings: StudySettings) -> dict[str,
     return min(enumerate(exact), key=key)[1]
 
 
+def reference_for(space: SearchSpace, settings: StudySettings) -> dict[str, Any]:
+    """The study's loss reference: the exact configuration predicted to fit the budget with the
+    shortest predicted step (``trial_cost.reference_for_cost``); its loss curve is the one every
+    exact trial is compared with, and it is trained first, so its cost is the study's first."""
+    from autotune.trial_cost import reference_for_cost, study_predictor
+
+    return reference_for_cost(
+        space.restrict(("exact",)).grid(),
+        study_predictor(settings),
+        settings.budget_bytes,
+        settings.seq_len * settings.global_batch_size * settings.nproc,
+        space.reference,
+    )
+
+
 def ensure_reference(study: optuna.Study, space: SearchSpace) -> None:
     """Queue the exact reference once per study: never again once a reference trial exists in
     any state (a crashed one is retried by the heartbeat callback, not here)."""
@@ -348,7 +367,7 @@ def ensure_reference(study: optuna.Study, space: SearchSpace) -> None:
         return
     if config is None:
         try:
-            config = least_memory_exact(space, settings_of(study))
+            config = reference_for(space, settings_of(study))
         except (KeyError, ValueError, NotImplementedError):
             # an architecture the analytical estimator does not know: the space's preferences
             config = space.restrict(("exact",)).reference_config()
@@ -575,6 +594,7 @@ class Objective:
         prober: Prober | None = None,
         no_probe_why: str = "",
         pending: PendingResults | None = None,
+        costs: TrialCosts | None = None,
     ) -> None:
         self.study = study
         self.space = space
@@ -583,6 +603,11 @@ class Objective:
         self.prober = prober  # lossy numerics are judged on a proxy (autotune/lossguard.py)
         self.no_probe_why = no_probe_why
         self.pending = pending
+        #: each trial's measured steps and time limit from its predicted step (None: the
+        #: study's steps and the runner's limit)
+        self.costs = costs
+        #: hears a line when a trial measures fewer steps or gets its own time limit
+        self.say: Callable[[str], None] | None = None
         self.on_result: Callable[[FrozenTrial | optuna.Trial, TrialResult], None] | None = None
         #: the trials this objective started (``--in-flight``: several threads at once); after a
         #: write error those still RUNNING are failed (``fail_running_trials``)
@@ -645,10 +670,19 @@ class Objective:
             # The reference must produce a loss curve even if it does not fit: it runs unbounded
             # and is judged against the budget afterwards.
             budget = None if unbounded else self.settings.budget_bytes
+            spec = self.settings.spec(config, budget)
+            if self.costs is not None:
+                cost = self.costs.for_config(config, self.study)
+                spec.measured_steps, spec.timeout_s = cost.measured_steps, cost.timeout_s
+                for key, value in cost.attrs().items():
+                    trial.set_user_attr(key, value)
+                if self.say is not None and cost.measured_steps < self.settings.measured_steps:
+                    self.say(
+                        f"trial #{trial.number}: "
+                        f"{describe_cost(cost, self.settings.measured_steps)}"
+                    )
             try:
-                result = self.runner.run_for(
-                    trial, self.settings.spec(config, budget), f"trial-{trial.number}"
-                )
+                result = self.runner.run_for(trial, spec, f"trial-{trial.number}")
             except KeyboardInterrupt as exc:  # the runner has killed the job; say so on the trial
                 trial.set_user_attr("status", "failed")
                 trial.set_user_attr(

@@ -142,6 +142,8 @@ CASES: list[Case] = [
          "'--global-batch-size'"),
     Case("trial timeout nan", [*RUN_1GB, "--trial-timeout", "nan"], "'--trial-timeout'"),
     Case("trial timeout inf", [*RUN_1GB, "--trial-timeout", "inf"], "'--trial-timeout'"),
+    Case("trial timeout floor nan", [*RUN_1GB, "--trial-timeout-floor", "nan"],
+         "'--trial-timeout-floor'"),
     Case("timeout zero", [*RUN_1GB, "--timeout", "0"], "'--timeout'"),
     Case("backend unknown", [*RUN_1GB, "--backend", "tpu"], "'--backend'"),
     Case("strategy unknown", [*RUN_1GB, "--strategy", "grid"], "'--strategy'"),

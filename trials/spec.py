@@ -47,6 +47,9 @@ class TrialSpec:
     data: dict[str, Any] | None = None
     #: a model folder whose safetensors weights the model starts from (None: random init)
     weights: str | None = None
+    #: seconds the controller lets this job run before it is killed (None: the runner's own
+    #: limit); derived from the predicted step time (``autotune.trial_cost``)
+    timeout_s: float | None = None
 
     def budget_for_rank(self, rank: int) -> int | None:
         return self.rank_budget_bytes.get(str(rank), self.budget_bytes)

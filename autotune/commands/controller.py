@@ -45,6 +45,7 @@ from autotune.study import (
     workdir_for,
     write_error_reason,
 )
+from autotune.trial_cost import study_costs
 
 
 def optimize(
@@ -72,6 +73,9 @@ def optimize(
         runner,
         *_prober(settings, launched),
         pending=PendingResults(workdir_for(study) / PENDING_DIR),
+        costs=study_costs(settings, trial_timeout, settings.trial_timeout_floor_s)
+        if backend_named(settings.backend).measures
+        else None,
     )
     # measurements an earlier controller kept on disk (its storage failed, it was stopped)
     for number, where in objective.replay_pending():
@@ -95,6 +99,7 @@ def optimize(
     )
     # a line per finished trial and per long phase, in a terminal (above a bar) or not
     with StudyProgress(study, console, n_trials).running() as progress:
+        objective.say = progress.say
         if objective.prober is not None:
             objective.prober.say = progress.say
         try:

@@ -36,7 +36,9 @@ trial_timeout_option = click.option(
     type=FiniteFloat(min=1.0),
     default=600.0,
     show_default=True,
-    help="Seconds before a trial job is killed and marked failed.",
+    help="The most seconds a trial job may run before it is killed and marked failed; each "
+    "trial's own limit is 4x its predicted steps' time, at least --trial-timeout-floor "
+    "(docs/guide/reliability.md).",
 )
 force_option = click.option(
     "--force",

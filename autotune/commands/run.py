@@ -26,6 +26,7 @@ from autotune.plan import RunOptions, plan_study
 from autotune.space import SearchSpace
 from autotune.storage import open_storage
 from autotune.study import DEFAULT_ALLOW, STRATEGIES, create_or_load, settings_of
+from autotune.trial_cost import TIMEOUT_FLOOR_S
 from autotune.units import format_size
 from trials.techniques import FIDELITY_CLASSES
 
@@ -104,6 +105,14 @@ COMMAND_OPTIONS = ("n_trials", "storage", "trial_timeout", "timeout", "strategy"
     help="Seeds per probe: their spread is the noise band shown with each verdict.",
 )
 @trial_timeout_option
+@click.option(
+    "--trial-timeout-floor",
+    type=FiniteFloat(min=1.0),
+    default=TIMEOUT_FLOOR_S,
+    show_default=True,
+    help="The least seconds a trial job gets before it is killed (its start: imports, model "
+    "build), whatever its predicted steps take.",
+)
 @timeout_option
 @click.option("--seq-len", type=click.IntRange(min=8, max=MAX_SEQ_LEN), default=None)
 @click.option("--global-batch-size", type=click.IntRange(min=1, max=MAX_BATCH), default=None)
