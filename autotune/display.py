@@ -10,7 +10,7 @@ from rich.table import Table
 
 from autotune.selector import GROUPS, Row, Selection, class_summary
 from autotune.units import format_size
-from trials.techniques import REGISTRY
+from trials.techniques import TECHNIQUES
 
 STATUS_STYLE = {"ok": "green", "oom": "red", "failed": "magenta", "running": "yellow"}
 
@@ -44,7 +44,7 @@ def status_text(row: Row) -> str:
 
 def _short(dimension: str, value: Any) -> str:
     """A choice as the table's config column shows it (its technique's ``Knob.short``)."""
-    knob = REGISTRY.knob(dimension)
+    knob = TECHNIQUES.knob(dimension)
     if knob is None or knob.short is None:
         return f"{dimension}={value}"
     return knob.short(value)

@@ -11,6 +11,7 @@ from typing import Any
 import optuna
 from rich.console import Console
 
+from autotune.availability import Hardware
 from autotune.estimator.analytical import AnalyticalEstimator
 from autotune.estimator.exhaustive import (
     ClassBest,
@@ -21,8 +22,7 @@ from autotune.estimator.exhaustive import (
     score,
 )
 from autotune.estimator.gpus import GpuSpec, default_gpu, gpu_spec
-from autotune.estimator.runner import EstimateRunner, PrescreenRunner
-from autotune.hardware import Hardware
+from autotune.estimator.prediction_runners import EstimateRunner, PrescreenRunner
 from autotune.runner import TrialRunner
 from autotune.space import SearchSpace
 from autotune.study import StudySettings

@@ -40,8 +40,8 @@ from autotune.safe_files import (
 )
 from autotune.study import StudySettings
 from autotune.terminal import printable
-from trials import zero
-from trials.techniques import REGISTRY, Run
+from trials import deepspeed_engine
+from trials.techniques import TECHNIQUES, Run
 from trials.techniques.attention import attn_implementation
 from trials.techniques.fsdp import runs_fsdp
 from trials.techniques.micro_batch import micro_and_accumulation
@@ -85,7 +85,7 @@ def _run(config: dict[str, Any], settings: StudySettings) -> Run:
 def _parts(hook: str, config: dict[str, Any], run: Run) -> dict[str, Any]:
     """Every registered technique's keys for one export (``Technique.<hook>``), in order."""
     out: dict[str, Any] = {}
-    for technique in REGISTRY:
+    for technique in TECHNIQUES:
         out.update(getattr(technique, hook)(config, run))
     return out
 
@@ -109,7 +109,7 @@ def deepspeed_config(
     with the optimizer hyperparameters the study did not tune handed back to the user: ``"auto"``
     (the Trainer or accelerate fills them from the user's settings) or the user's flags; betas
     and eps are left out, so AdamW's defaults apply (the trial's, torch's and the Trainer's)."""
-    ds = zero.deepspeed_config(config, _run(config, settings))
+    ds = deepspeed_engine.deepspeed_config(config, _run(config, settings))
     hand_back(
         ds,
         "auto" if user.lr is None else user.lr,

@@ -28,7 +28,7 @@ from autotune.space import Choice, SearchSpace
 from autotune.study import UNBOUNDED_ROLES, settings_of
 from autotune.terminal import shell_line
 from autotune.units import format_size
-from trials.techniques import REGISTRY
+from trials.techniques import TECHNIQUES
 
 #: rounds of measuring one rung's candidates before ``run_ladder`` gives up
 MAX_ROUNDS = 16
@@ -76,11 +76,11 @@ class _NotAllowed(Exception):
 def baseline_config(space: SearchSpace, global_batch_size: int) -> dict[str, Any]:
     """Plain training within the space: each dimension's no-technique value where allowed."""
 
-    baseline = REGISTRY.baseline()
+    baseline = TECHNIQUES.baseline()
 
     def pick(name: str, choices: list[Choice]) -> Choice:
         dim = name.split("|", 1)[0]
-        knob = REGISTRY.knob(dim)
+        knob = TECHNIQUES.knob(dim)
         if knob is not None and knob.baseline_of is not None:
             return knob.baseline_of(choices, global_batch_size)
         wanted = baseline.get(dim, space.reference.get(dim, choices[0]))

@@ -39,7 +39,7 @@ from typing import Any
 from autotune.model_source import folder_identity
 from autotune.runner import TrialRunner
 from trials.spec import TrialSpec
-from trials.techniques import REGISTRY, fidelity_class, numerics_of
+from trials.techniques import TECHNIQUES, fidelity_class, numerics_of
 
 #: per-step relative loss difference allowed for exact techniques (float reassociation noise)
 EXACT_RTOL = 1e-3
@@ -242,7 +242,7 @@ class Prober:
             return cached["losses"], ""
         spec = TrialSpec(
             model_config=self.proxy,
-            config={**numerics, **REGISTRY.probe_plain(PROXY_BATCH)},
+            config={**numerics, **TECHNIQUES.probe_plain(PROXY_BATCH)},
             seq_len=PROXY_SEQ,
             global_batch_size=PROXY_BATCH,
             budget_bytes=None,

@@ -119,7 +119,7 @@ LLAMA31: dict[str, Any] = {
     "rope_scaling": LLAMA31_ROPE,
 }
 
-REGISTRY: dict[str, ModelEntry] = {
+MODELS: dict[str, ModelEntry] = {
     e.name: e
     for e in [
         ModelEntry(
@@ -739,8 +739,8 @@ def check_seq_len(seq_len: int | None, config: dict[str, Any], model: str) -> No
 def resolve_model(name_or_path: str) -> ModelEntry:
     """A registered name, a path to a transformers ``config.json``, or a model folder / cached
     Hub id with its pretrained weights (``autotune.model_source``; local files only)."""
-    if name_or_path in REGISTRY:
-        return REGISTRY[name_or_path]
+    if name_or_path in MODELS:
+        return MODELS[name_or_path]
     folder = model_folder(name_or_path)
     if folder is not None:
         entry = resolve_model(str(folder / "config.json"))
@@ -766,6 +766,6 @@ def resolve_model(name_or_path: str) -> ModelEntry:
         return ModelEntry(
             name=path.stem, config=cfg, seq_len=seq, global_batch_size=16, description=str(path)
         )
-    close = difflib.get_close_matches(name_or_path, list(REGISTRY), n=3, cutoff=0.4)
+    close = difflib.get_close_matches(name_or_path, list(MODELS), n=3, cutoff=0.4)
     hint = f"; did you mean {', '.join(close)}?" if close else ""
-    raise UserError(f"unknown model '{name_or_path}'{hint} (known: {', '.join(REGISTRY)})")
+    raise UserError(f"unknown model '{name_or_path}'{hint} (known: {', '.join(MODELS)})")

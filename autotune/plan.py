@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from autotune.availability import Hardware
 from autotune.data_source import Prepared as PreparedData
 from autotune.data_source import attach as attach_data
 from autotune.errors import UserError
@@ -22,7 +23,6 @@ from autotune.estimate_backend import (
 )
 from autotune.estimate_cli import MAX_SEQ_LEN, banner
 from autotune.estimator.gpus import GpuSpec, gpu_spec
-from autotune.hardware import Hardware
 from autotune.launchers import LAUNCHERS, launcher_attrs, launcher_of
 from autotune.model_source import model_settings
 from autotune.models import ModelEntry, check_seq_len, resolve_model

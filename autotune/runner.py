@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from trials.lifeline import CONTROLLER_ENV
 from trials.spec import TrialResult, TrialSpec, rank_result_path
-from trials.techniques import REGISTRY
+from trials.techniques import TECHNIQUES
 
 STDERR_TAIL_LINES = 20
 #: the CLI's storage URL variable
@@ -82,7 +82,7 @@ def trial_env(base: dict[str, str], spec: TrialSpec | None) -> dict[str, str]:
         }
     )
     if spec is not None and spec.backend == "cuda":
-        env.update(REGISTRY.environment(spec.config, base))
+        env.update(TECHNIQUES.environment(spec.config, base))
     return env
 
 

@@ -28,7 +28,7 @@ from autotune.lossguard import LossVerdict
 from autotune.strategy import CONTENDERS_ATTR, FOREIGN, foreign_record
 from autotune.study import settings_of
 from autotune.units import format_size
-from trials.techniques import REGISTRY, classes_up_to, fidelity_class
+from trials.techniques import TECHNIQUES, classes_up_to, fidelity_class
 
 #: the smallest speed difference that names a winner (DeepSpeed's autotuner: 5%)
 NOISE_FLOOR = 0.05
@@ -117,9 +117,9 @@ def simplicity(config: dict[str, Any]) -> tuple[int, int, int]:
     dimension differs from plain training (its ``Knob.baseline``); sharding and offloads add up
     its choices' ``Knob.complexity`` (the ZeRO stage; the optimizer's and the parameters'
     offload)."""
-    plain = REGISTRY.baseline()
+    plain = TECHNIQUES.baseline()
     used = sum(1 for k, value in plain.items() if k in config and config[k] != value)
-    shards, offloads = REGISTRY.complexity(config)
+    shards, offloads = TECHNIQUES.complexity(config)
     return used, shards, offloads
 
 

@@ -17,10 +17,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from autotune.availability import Hardware, dimension_unavailable_reason, unavailable_reason
 from autotune.errors import UserError
-from autotune.hardware import Hardware, dimension_unavailable_reason, unavailable_reason
 from autotune.yaml_limits import load_yaml, parse_yaml
-from trials.techniques import FIDELITY_CLASSES, REGISTRY, Choice, choice_fidelity
+from trials.techniques import FIDELITY_CLASSES, TECHNIQUES, Choice, choice_fidelity
 from trials.techniques.micro_batch import MICRO_BATCH
 
 __all__ = ["Choice", "Dimension", "Rule", "SearchSpace"]
@@ -88,7 +88,7 @@ class SearchSpace:
         dims: list[Dimension] = []
         for name, spec in raw_dims.items():
             where = f"dimensions.{name}"
-            known = REGISTRY.known_dimensions()  # every registered technique's dimensions
+            known = TECHNIQUES.known_dimensions()  # every registered technique's dimensions
             if name not in known:
                 raise bad(f"unknown dimension '{name}' (known: {', '.join(known)})")
             if not isinstance(spec, dict):
@@ -156,7 +156,7 @@ class SearchSpace:
         dims = []
         present = {d.name for d in self.dimensions}
         for d in self.dimensions:
-            knob = REGISTRY.knob(d.name)
+            knob = TECHNIQUES.knob(d.name)
             whole = dimension_unavailable_reason(hardware, d.name)
             if not whole and not documents and knob is not None:
                 whole = knob.needs_documents
@@ -354,7 +354,7 @@ def _inherited(
     order = list(kept)
     seen = {_meaning(r) for r in written}
     out = []
-    for forbid in REGISTRY.forbids():
+    for forbid in TECHNIQUES.forbids():
         cond = {
             k: tuple(v for v in vals if v in kept.get(k, ())) for k, vals in forbid.choices.items()
         }
@@ -394,7 +394,7 @@ def _whole_batch_rules(dims: list[Dimension], global_batch_size: int, source: st
     accumulating = tuple(c for c in micro.choices if c != global_batch_size)
     rules = []
     for d in dims:
-        knob = REGISTRY.knob(d.name)
+        knob = TECHNIQUES.knob(d.name)
         banned = tuple(c for c in d.choices if knob is not None and c in knob.whole_batch_only)
         if not banned or not accumulating:
             continue
@@ -426,7 +426,7 @@ def _holds(conditions: Mapping[str, tuple[Choice, ...]], config: Mapping[str, Ch
 
 
 def _check_value(dim: str, value: Any, where: str, bad: Callable[[str], UserError]) -> Choice:
-    knob = REGISTRY.knob(dim)
+    knob = TECHNIQUES.knob(dim)
     if isinstance(value, bool) and knob is not None and knob.from_bool is not None:
         value = knob.from_bool[0] if value else knob.from_bool[1]  # YAML 1.1: bare `off` = false
     allowed = knob.choices if knob is not None else None
@@ -467,7 +467,7 @@ def _conditions(
     known = {d.name: d for d in earlier}
     out: dict[str, tuple[Choice, ...]] = {}
     for dim, values in raw.items():
-        if dim not in REGISTRY.known_dimensions():
+        if dim not in TECHNIQUES.known_dimensions():
             raise bad(f"{where}: unknown dimension '{dim}'")
         vals = values if isinstance(values, list) else [values]
         if not vals:

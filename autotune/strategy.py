@@ -49,7 +49,7 @@ from optuna.trial import FrozenTrial, TrialState
 from autotune.runner import TIMEOUT_ERROR
 from autotune.terminal import printable
 from trials.data import Documents
-from trials.techniques import REGISTRY, is_exact
+from trials.techniques import TECHNIQUES, is_exact
 
 Config = dict[str, Any]
 #: config -> (predicted peak bytes, predicted tokens/s)
@@ -79,7 +79,7 @@ def needs_no_less_memory(candidate: Config, known_oom: Config) -> bool:
     dimension is its technique's (``Knob.memory_order``)."""
     if set(candidate) != set(known_oom):
         return False
-    monotone = REGISTRY.memory_orders()
+    monotone = TECHNIQUES.memory_orders()
     for dim, value in candidate.items():
         other = known_oom[dim]
         if dim in monotone:
@@ -367,7 +367,7 @@ class AutotuneSampler(BaseSampler):
                 self._x[i, self._feature[(k, repr(v))]] = 1.0
         # per-dimension codes for the monotone OOM rule: NaN where the dimension is absent
         self._dims = sorted({k for c in self.candidates for k in c})
-        monotone = REGISTRY.memory_orders()
+        monotone = TECHNIQUES.memory_orders()
         values: dict[str, dict[str, int]] = {}
         codes = np.full((len(self.candidates), len(self._dims)), np.nan)
         for i, c in enumerate(self.candidates):
@@ -675,6 +675,6 @@ def record_contenders(study: optuna.Study) -> None:
 
 def _loss_prior(dimension: str) -> float:
     """The loss regression's ridge strength for a dimension's lossy choices."""
-    knob = REGISTRY.knob(dimension)
+    knob = TECHNIQUES.knob(dimension)
     prior = knob.loss_prior if knob is not None else None
     return LOSS_RIDGE_DEFAULT if prior is None else prior

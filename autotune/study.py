@@ -944,7 +944,7 @@ class Objective:
 def _autotune_sampler(
     study: optuna.Study, space: SearchSpace, seed: int
 ) -> optuna.samplers.BaseSampler:
-    from autotune.hardware import detected_gpu_key
+    from autotune.availability import detected_gpu_key
     from autotune.strategy import AutotuneSampler, analytical_predictor
 
     s = settings_of(study)

@@ -243,7 +243,7 @@ def study_costs(s: Any, ceiling_s: float, floor_s: float = TIMEOUT_FLOOR_S) -> T
 
 def study_predictor(s: Any) -> Predictor:
     """The analytical estimator's (peak, tokens/s) for the study's model and device."""
-    from autotune.hardware import detected_gpu_key
+    from autotune.availability import detected_gpu_key
     from autotune.strategy import analytical_predictor
 
     return analytical_predictor(

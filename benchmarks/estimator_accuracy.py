@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from autotune.estimator.analytical import AnalyticalEstimator
 from autotune.estimator.traced import TracedEstimator
-from autotune.models import REGISTRY
+from autotune.models import MODELS
 from trials.job import run_trial
 from trials.spec import TrialSpec
 
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("|---|---|---:|---:|---:|---:|---:|")
     for name in models:
-        entry = REGISTRY[name]
+        entry = MODELS[name]
         seq, gbs = SHAPES.get(name, (entry.seq_len, entry.global_batch_size))
         for extra in CONFIGS:
             config = {**BASE, **extra}

@@ -54,7 +54,7 @@ from autotune.estimator.analytical import AnalyticalEstimator
 from autotune.estimator.gpus import GPUS
 from autotune.estimator.paging import apply_budget
 from autotune.estimator.speed import MODEL_ERROR
-from autotune.models import REGISTRY, stats_of
+from autotune.models import MODELS, stats_of
 from autotune.space import SearchSpace
 from trials.data import Documents
 
@@ -221,7 +221,7 @@ ROWS: list[Row] = [
 def flops_per_token(model: str, seq: int) -> float:
     """Training FLOPs per token, forward and backward: 6 per matmul weight (the embedding's
     lookup is none) and 6 s q per layer of causal attention."""
-    st = stats_of(REGISTRY[model].config)
+    st = stats_of(MODELS[model].config)
     mm = st.layers * st.layer_matrix_params + st.vocab * st.hidden
     return 6 * mm + 6 * seq * st.heads * st.head_dim * st.layers
 
@@ -302,7 +302,7 @@ class Prediction:
 
 
 def predict(row: Row) -> Prediction:
-    model = REGISTRY[row.model].config
+    model = MODELS[row.model].config
     gpu = GPUS[row.gpu]
     batch = int(row.config.get("micro_batch_size", 1))
     est = AnalyticalEstimator().estimate(

@@ -33,10 +33,10 @@ import optuna
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from autotune.availability import Hardware
 from autotune.estimator.analytical import AnalyticalEstimator
 from autotune.estimator.gpus import gpu_spec
-from autotune.hardware import Hardware
-from autotune.models import REGISTRY, stats_of
+from autotune.models import MODELS, stats_of
 from autotune.runner import TrialRunner
 from autotune.space import SearchSpace
 from autotune.study import (
@@ -377,7 +377,7 @@ INTERACTION_BUDGET = 40 * 10**9
 
 def interaction_space() -> SearchSpace:
     return SearchSpace.load(HERE / "interaction_space.yaml").resolve(
-        REGISTRY[INTERACTION_MODEL].global_batch_size, cuda_hardware(INTERACTION_NPROC)
+        MODELS[INTERACTION_MODEL].global_batch_size, cuda_hardware(INTERACTION_NPROC)
     )
 
 
@@ -388,7 +388,7 @@ def interaction_prior(c: Config) -> tuple[float, float]:
     """The analytical estimator's (peak, tokens/s) of llama-7b on 8x A100 40GB (cached)."""
     key = tuple(sorted((k, repr(v)) for k, v in c.items()))
     if key not in _PRIOR:
-        entry = REGISTRY[INTERACTION_MODEL]
+        entry = MODELS[INTERACTION_MODEL]
         e = AnalyticalEstimator().estimate(
             entry.config,
             c,
@@ -402,7 +402,7 @@ def interaction_prior(c: Config) -> tuple[float, float]:
 
 
 def interaction_settings() -> dict[str, Any]:
-    entry = REGISTRY[INTERACTION_MODEL]
+    entry = MODELS[INTERACTION_MODEL]
     return {
         "model": INTERACTION_MODEL,
         "model_config": entry.config,

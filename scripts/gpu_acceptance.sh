@@ -118,7 +118,7 @@ from rich.table import Table
 
 from autotune.estimator.analytical import AnalyticalEstimator
 from autotune.estimator.gpus import gpu_spec
-from autotune.hardware import detected_gpu_key
+from autotune.availability import detected_gpu_key
 from autotune.study import settings_of
 
 storage, model_path, mode = sys.argv[1:4]
@@ -192,7 +192,7 @@ from rich.table import Table
 
 from autotune.estimator.analytical import AnalyticalEstimator
 from autotune.estimator.gpus import gpu_spec
-from autotune.hardware import detected_gpu_key
+from autotune.availability import detected_gpu_key
 from autotune.runner import SubprocessRunner
 from trials.spec import TrialSpec, trial_documents
 

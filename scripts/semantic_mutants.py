@@ -468,7 +468,7 @@ MUTANTS: list[Mutant] = [
     # --- estimate backend -----------------------------------------------------------------------
     Mutant(
         "estimate-host-check-device-peak",
-        "autotune/estimator/runner.py",
+        "autotune/estimator/prediction_runners.py",
         "if host is not None and est.host_bytes > host * (1 + margin):",
         "if host is not None and est.peak_bytes > host * (1 + margin):",
         "the host-memory check compares the device peak with --host-memory",
@@ -476,7 +476,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "estimate-device-at-budget-over",
-        "autotune/estimator/runner.py",
+        "autotune/estimator/prediction_runners.py",
         "est.peak_bytes > spec.budget_bytes * (1 + margin)",
         "est.peak_bytes >= spec.budget_bytes * (1 + margin)",
         "a prediction exactly at the budget is an OOM",
@@ -484,7 +484,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "estimate-oom-keeps-speed",
-        "autotune/estimator/runner.py",
+        "autotune/estimator/prediction_runners.py",
         "tokens_per_s=0.0 if error else est.tokens_per_s,",
         "tokens_per_s=est.tokens_per_s,",
         "a prediction over the budget still reports its tokens/s, as if it ran",
@@ -492,7 +492,7 @@ MUTANTS: list[Mutant] = [
     ),
     Mutant(
         "estimate-prescreen-without-margin",
-        "autotune/estimator/runner.py",
+        "autotune/estimator/prediction_runners.py",
         "why = _over(est, spec, self.margin)",
         "why = _over(est, spec)",
         "the GPU pre-screen skips trials predicted just over the budget, inside the "

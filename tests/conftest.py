@@ -21,13 +21,13 @@ from click.testing import CliRunner, Result
 
 from autotune.cli import main
 from autotune.estimator.states import clear_caches
-from autotune.models import REGISTRY
+from autotune.models import MODELS
 from autotune.study import StudySettings
 from trials.spec import TrialResult, TrialSpec
 
 DATA = Path(__file__).parent / "data"
 SMALL_SPACE = DATA / "small_space.yaml"
-TINY = REGISTRY["tiny-llama"].config
+TINY = MODELS["tiny-llama"].config
 #: a tiny-llama study's settings on the CPU (300 MB, seq 64, batch 8), for tests of what is made
 #: from a winner without a study (the exports)
 TINY_SETTINGS = StudySettings(
@@ -92,7 +92,7 @@ def tiny_loss_and_grads(config: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     import torch
 
     from trials.build import build_model
-    from trials.techniques import REGISTRY as TECHNIQUES
+    from trials.techniques import TECHNIQUES
 
     model = TECHNIQUES.apply(build_model(TINY, "sdpa", seed=5), config, "cpu")
     model.train()

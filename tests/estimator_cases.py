@@ -21,7 +21,7 @@ from autotune.estimator.base import PARTS, Estimate
 from autotune.estimator.gpus import GPUS
 from autotune.estimator.paging import apply_budget
 from autotune.estimator.traced import TracedEstimator
-from autotune.models import REGISTRY as MODELS
+from autotune.models import MODELS
 from autotune.space import SearchSpace
 from trials.data import Documents
 

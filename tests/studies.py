@@ -6,7 +6,7 @@ from pathlib import Path
 
 import optuna
 
-from autotune.hardware import Hardware
+from autotune.availability import Hardware
 from autotune.models import resolve_model
 from autotune.space import SearchSpace
 from autotune.storage import open_storage

@@ -31,7 +31,7 @@ def test_a_study_says_what_it_has_not_measured_that_could_win(tmp_path: Path) ->
     trials = optuna.load_study(study_name=summary.study_name, storage=storage).trials
     measured = {json.dumps(t.user_attrs["config"], sort_keys=True) for t in trials}
     # the small space's grid, less what was measured, bounds it
-    from autotune.hardware import Hardware
+    from autotune.availability import Hardware
     from autotune.space import SearchSpace
 
     grid = SearchSpace.load(SMALL_SPACE).resolve(8, Hardware.detect("cpu")).grid()

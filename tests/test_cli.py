@@ -10,7 +10,7 @@ import optuna
 import pytest
 import yaml
 
-from autotune.hardware import Hardware
+from autotune.availability import Hardware
 from autotune.space import SearchSpace
 from tests.conftest import SMALL_ARGS, SMALL_SPACE, cli
 

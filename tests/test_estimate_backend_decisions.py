@@ -1,8 +1,9 @@
-"""The estimate backend's decisions (``autotune/estimator/runner.py``, ``exhaustive.py`` and
-``autotune/estimate_backend.py``): which predictions fit, which trials the GPU pre-screen skips,
-which configuration each class names. The predicted bytes come from the analytical estimator;
-what is decided here is the comparison, and each test places the budgets by hand between the
-device and the host figure so that the wrong one gives the other answer.
+"""The estimate backend's decisions (``autotune/estimator/prediction_runners.py``,
+``exhaustive.py`` and ``autotune/estimate_backend.py``): which predictions fit, which trials
+the GPU pre-screen skips, which configuration each class names. The predicted bytes come from
+the analytical estimator; what is decided here is the comparison, and each test places the
+budgets by hand between the device and the host figure so that the wrong one gives the other
+answer.
 
 The decisions, each with a test here that fails when it is inverted, swapped or fed the wrong
 quantity:
@@ -29,7 +30,7 @@ from autotune.estimator.analytical import AnalyticalEstimator
 from autotune.estimator.base import Estimate
 from autotune.estimator.exhaustive import Scored, best_per_class, headline, score
 from autotune.estimator.gpus import gpu_spec
-from autotune.estimator.runner import PRUNED, EstimateRunner, PrescreenRunner
+from autotune.estimator.prediction_runners import PRUNED, EstimateRunner, PrescreenRunner
 from autotune.models import resolve_model
 from autotune.runner import TrialRunner
 from trials.spec import TrialResult, TrialSpec

@@ -15,7 +15,7 @@ from autotune.estimate_backend import estimate_space, hardware_for
 from autotune.estimator.analytical import AnalyticalEstimator
 from autotune.estimator.base import Estimate
 from autotune.estimator.gpus import GPUS
-from autotune.models import REGISTRY, stats_of
+from autotune.models import MODELS, stats_of
 from autotune.space import SearchSpace
 from autotune.yaml_limits import parse_yaml
 
@@ -34,7 +34,7 @@ LEFT_AT_DEFAULTS = {
     "lora_rank",
     "lora_targets",
 }
-LLAMA7B = REGISTRY["llama-7b"].config
+LLAMA7B = MODELS["llama-7b"].config
 
 
 def trial_space() -> SearchSpace:

@@ -13,16 +13,16 @@ from autotune.display import describe
 from autotune.errors import UserError
 from autotune.estimator.analytical import AnalyticalEstimator
 from autotune.estimator.gpus import GPUS, default_gpu, gpu_spec
-from autotune.estimator.runner import EstimateRunner, PrescreenRunner
+from autotune.estimator.prediction_runners import EstimateRunner, PrescreenRunner
 from autotune.estimator.states import model_states
 from autotune.estimator.traced import TracedEstimator
-from autotune.models import REGISTRY
+from autotune.models import MODELS
 from autotune.runner import SubprocessRunner
 from tests.conftest import TINY, cli, tiny_spec
 from trials.job import run_trial
 
-LLAMA7B = REGISTRY["llama-7b"].config
-PSI = REGISTRY["llama-7b"].n_params
+LLAMA7B = MODELS["llama-7b"].config
+PSI = MODELS["llama-7b"].n_params
 BASE = {"gradient_checkpointing": "off", "precision": "fp32", "attention": "sdpa"}
 
 
@@ -103,7 +103,7 @@ def test_traced_matches_a_real_measured_cpu_trial(extra: dict, tmp_path: Path) -
     assert sum(traced.breakdown.values()) == traced.peak_bytes
     # the weights (and the rotary buffers built with them)
     assert traced.breakdown["parameters"] == pytest.approx(
-        4 * REGISTRY["tiny-llama"].n_params, rel=1e-3
+        4 * MODELS["tiny-llama"].n_params, rel=1e-3
     )
 
 

@@ -28,14 +28,14 @@ import pytest
 import torch
 
 from autotune.estimator.activations import layer_activation_bytes, saved_op_bytes
-from autotune.models import REGISTRY, stats_of
+from autotune.models import MODELS, stats_of
 from tests.test_estimator_models import FAMILIES
 from trials.build import build_model
 from trials.memory import CpuMemoryMonitor
 from trials.techniques.checkpointing import TECHNIQUE as CHECKPOINTING
 
 SEQ = 32
-TINY = REGISTRY["tiny-llama"].config
+TINY = MODELS["tiny-llama"].config
 QWEN = {
     "model_type": "qwen2",
     "vocab_size": 300,
@@ -48,7 +48,7 @@ QWEN = {
 GPT2 = {"model_type": "gpt2", "vocab_size": 300, "n_embd": 64, "n_layer": 2, "n_head": 4}
 GPT2_NO_DROPOUT = {**GPT2, "resid_pdrop": 0.0, "attn_pdrop": 0.0, "embd_pdrop": 0.0}
 MIXTRAL = {**QWEN, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2}
-MODELS = {
+ARCHITECTURES = {
     "tiny-llama": TINY,
     "qwen2": QWEN,
     "gpt2": GPT2,
@@ -58,7 +58,10 @@ MODELS = {
     # residual (gpt_neox), four fp32 norms and capped scores (gemma2, eager only), q/k norms
     **{n: {**FAMILIES[n], "vocab_size": 300} for n in ("phi3", "gpt_neox", "gemma2", "qwen3")},
 }
-MODELS["phi3-gqa"] = {**MODELS["phi3"], "num_key_value_heads": 2}  # v keeps the fused q/k/v
+ARCHITECTURES["phi3-gqa"] = {
+    **ARCHITECTURES["phi3"],
+    "num_key_value_heads": 2,
+}  # v keeps the fused q/k/v
 BF16 = {"precision": "bf16"}  # autocast over fp32 weights
 FP16 = {"precision": "fp16"}
 PURE16 = {"precision": "bf16", "zero_stage": 2}  # DeepSpeed's 16-bit model
@@ -145,7 +148,7 @@ def _one_layer_one_sequence(model_cfg: dict[str, Any], config: dict[str, Any]) -
 def test_layer_activations_against_saved_tensors(
     name: str, config: dict[str, Any], measured_error: float
 ) -> None:
-    model_cfg = MODELS[name]
+    model_cfg = ARCHITECTURES[name]
     measured = _one_layer_one_sequence(model_cfg, config)
     estimate = layer_activation_bytes(stats_of(model_cfg), config, SEQ, 1, cuda=False)
     # linear in the micro-batch, as the measured double difference is
@@ -158,7 +161,7 @@ def test_layer_activations_against_saved_tensors(
     ("name", "config"), [pytest.param(n, c, marks=pytest.mark.xfail(strict=True)) for n, c in GAPS]
 )
 def test_known_gaps_beyond_ten_percent(name: str, config: dict[str, Any]) -> None:
-    model_cfg = MODELS[name]
+    model_cfg = ARCHITECTURES[name]
     measured = _one_layer_one_sequence(model_cfg, config)
     estimate = layer_activation_bytes(stats_of(model_cfg), config, SEQ, 1, cuda=False)
     assert estimate == pytest.approx(measured, rel=0.10)
@@ -187,7 +190,7 @@ def _checkpointed_cases() -> list[Any]:
 def test_checkpointed_layer_keeps_its_input_and_the_saved_ops(
     name: str, config: dict[str, Any]
 ) -> None:
-    model_cfg = MODELS[name]
+    model_cfg = ARCHITECTURES[name]
     st = stats_of(model_cfg)
     measured = _one_layer_one_sequence(model_cfg, config)
     layer_input = 4 * st.hidden * SEQ  # the residual stream stays fp32 under autocast
@@ -226,7 +229,7 @@ def test_what_eager_attention_adds(name: str, precision: dict[str, Any]) -> None
     and, with grouped-query heads, k and v repeated to every query head. The whole-layer test's
     tolerance (twice each case's error) is wider than these terms; their difference is not
     (measured within 3.2%: the estimate leaves sdpa's log-sum-exp in)."""
-    model_cfg, st = MODELS[name], stats_of(MODELS[name])
+    model_cfg, st = ARCHITECTURES[name], stats_of(ARCHITECTURES[name])
     eager = {**precision, **EAGER}
     measured = _one_layer_one_sequence(model_cfg, eager) - _one_layer_one_sequence(
         model_cfg, precision
@@ -241,7 +244,7 @@ def test_what_eager_attention_adds(name: str, precision: dict[str, Any]) -> None
 def test_what_capped_scores_add(precision: dict[str, Any]) -> None:
     """Gemma 2's eager attention with and without its logit soft-capping: the tanh keeps its
     output, one score-sized tensor in the scores' dtype (measured: to the byte)."""
-    capped = MODELS["gemma2"]
+    capped = ARCHITECTURES["gemma2"]
     plain = {**capped, "attn_logit_softcapping": None}
     config = {**precision, **EAGER}
     measured = _one_layer_one_sequence(capped, config) - _one_layer_one_sequence(plain, config)

@@ -13,7 +13,7 @@ import torch
 from autotune.errors import UserError
 from autotune.estimator.analytical import AnalyticalEstimator
 from autotune.estimator.traced import TracedEstimator
-from autotune.models import REGISTRY, count_params, resolve_model, stats_of, validate_config
+from autotune.models import MODELS, count_params, resolve_model, stats_of, validate_config
 from tests.conftest import cli
 
 SMALL = {"vocab_size": 1000, "num_hidden_layers": 2, "num_attention_heads": 4, "use_cache": False}
@@ -68,15 +68,13 @@ PUBLISHED = {
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_registry_matches_published_counts(name: str) -> None:
-    assert REGISTRY[name].n_params == pytest.approx(PUBLISHED[name], rel=0.005)
+    assert MODELS[name].n_params == pytest.approx(PUBLISHED[name], rel=0.005)
 
 
 def test_mixtral_active_parameters_are_the_published_12_9b() -> None:
     from autotune.models import stats_of
 
-    assert stats_of(REGISTRY["mixtral-8x7b"].config).active_params == pytest.approx(
-        12.9e9, rel=0.005
-    )
+    assert stats_of(MODELS["mixtral-8x7b"].config).active_params == pytest.approx(12.9e9, rel=0.005)
 
 
 @pytest.mark.parametrize(
@@ -108,11 +106,9 @@ def test_cli_bad_model_config_exits_2_with_one_line(tmp_path: Path) -> None:
 
 def test_gpt2_config_json_is_accepted(tmp_path: Path) -> None:
     path = tmp_path / "gpt2.json"
-    path.write_text(
-        json.dumps({**REGISTRY["gpt2-xl"].config, "architectures": ["GPT2LMHeadModel"]})
-    )
+    path.write_text(json.dumps({**MODELS["gpt2-xl"].config, "architectures": ["GPT2LMHeadModel"]}))
     entry = resolve_model(str(path))
-    assert entry.n_params == REGISTRY["gpt2-xl"].n_params
+    assert entry.n_params == MODELS["gpt2-xl"].n_params
 
 
 KW = {"seq_len": 64, "global_batch_size": 8}

@@ -14,14 +14,14 @@ from autotune.estimate_backend import estimate_space, hardware_for
 from autotune.estimator.analytical import AnalyticalEstimator
 from autotune.estimator.exhaustive import best_per_class, headline, score
 from autotune.estimator.gpus import GPUS
-from autotune.estimator.runner import EstimateRunner
+from autotune.estimator.prediction_runners import EstimateRunner
 from autotune.estimator.speed import MODEL_ERROR
-from autotune.models import REGISTRY
+from autotune.models import MODELS
 from tests.conftest import cli, tiny_spec
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
-LLAMA7B = REGISTRY["llama-7b"].config
+LLAMA7B = MODELS["llama-7b"].config
 BASE = {
     "gradient_checkpointing": "off",
     "precision": "bf16",
@@ -132,7 +132,7 @@ def test_whole_space_scored_fast_llama70b_on_8_gpus() -> None:
     gpu = GPUS["h100"]
     configs = estimate_space().resolve(32, hardware_for(gpu, 8)).grid()
     kw = {"seq_len": 2048, "global_batch_size": 32, "nproc": 8, "gpu": gpu}
-    model = REGISTRY["llama-70b"].config
+    model = MODELS["llama-70b"].config
     # the per-model quantities (the model built on the meta device, transformers imported: a
     # few seconds once per model and process) come first; the bound is on scoring the space
     score(model, configs[:1], budget_bytes=80 * 10**9, **kw)
@@ -200,7 +200,7 @@ def test_host_memory_over_its_budget_is_an_oom_prediction() -> None:
     # the device holds DeepSpeed's default gradient bucket (5e8 bf16 elements, 1 GB) in backward
     spec.budget_bytes = 2 * 10**9
     ok = EstimateRunner(AnalyticalEstimator(), GPUS["l4"]).run(spec, "t")
-    assert ok.status == "ok" and ok.host_peak_bytes > 16 * REGISTRY["tiny-llama"].n_params
+    assert ok.status == "ok" and ok.host_peak_bytes > 16 * MODELS["tiny-llama"].n_params
     spec.host_budget_bytes = ok.host_peak_bytes // 2
     over = EstimateRunner(AnalyticalEstimator(), GPUS["l4"]).run(spec, "t")
     assert over.status == "oom" and "host memory" in over.error

@@ -45,7 +45,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.utils._python_dispatch import TorchDispatchMode
-from trials.zero import ensure_distributed
+from trials.deepspeed_engine import ensure_distributed
 
 ensure_distributed("cpu", deepspeed_comm=True)
 out = {}

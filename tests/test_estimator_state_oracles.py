@@ -15,11 +15,11 @@ import transformers
 from torch import nn
 
 from autotune.estimator.states import model_states
-from autotune.models import REGISTRY
+from autotune.models import MODELS
 from trials.techniques.quantization import add_lora, as_linear, replace_linears
 
 SMALL = {
-    "tiny-llama": REGISTRY["tiny-llama"].config,
+    "tiny-llama": MODELS["tiny-llama"].config,
     "gqa-llama": {
         "model_type": "llama",
         "vocab_size": 320,
@@ -115,7 +115,7 @@ def test_optimizer_state_bytes_are_what_the_optimizer_keeps(name: str, model: st
     from autotune.models import stats_of
     from trials.techniques import OPTIMIZERS
 
-    model_cfg = REGISTRY["tiny-llama"].config if model == "tiny-llama" else SMALL["gpt2"]
+    model_cfg = MODELS["tiny-llama"].config if model == "tiny-llama" else SMALL["gpt2"]
     torch.manual_seed(0)
     net = transformers.AutoModelForCausalLM.from_config(
         transformers.AutoConfig.for_model(**model_cfg)
@@ -141,7 +141,7 @@ def test_plain_training_states_are_sixteen_bytes_per_parameter() -> None:
     the host holds the fp32 copy each process builds at load (times DeepSpeed's 1.5 factor)."""
     from autotune.models import stats_of
 
-    cfg = REGISTRY["tiny-llama"].config
+    cfg = MODELS["tiny-llama"].config
     psi = stats_of(cfg).n_params
     for config in ({}, {"precision": "bf16"}, {"zero_stage": 0, "offload_optimizer": "cpu"}):
         states = model_states(cfg, config, 1)

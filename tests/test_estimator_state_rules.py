@@ -14,7 +14,7 @@ from autotune.estimator.states import model_states
 from autotune.models import stats_of
 from tests.conftest import TINY
 from tests.test_technique_fsdp import PARAMS, _predicted, _two_ranks
-from trials.techniques import REGISTRY
+from trials.techniques import TECHNIQUES
 
 #: the keys whose absence the job reads as its technique's baseline; ``zero_stage`` is not one:
 #: its presence picks DeepSpeed's engine (``trials.techniques.zero.runs_deepspeed``)
@@ -33,7 +33,7 @@ CONFIGS = [
 
 
 def _baseline(key: str) -> object:
-    return next(k.baseline for t in REGISTRY for k in t.knobs if k.name == key)
+    return next(k.baseline for t in TECHNIQUES for k in t.knobs if k.name == key)
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=str)

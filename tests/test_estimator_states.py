@@ -10,7 +10,7 @@ import re
 import pytest
 
 from autotune.estimator.states import Phases, model_states
-from autotune.models import REGISTRY, stats_of
+from autotune.models import MODELS, stats_of
 
 GIB = 2**30
 ROW = re.compile(r"^\s*([\d.]+)GB \|\s*([\d.]+)GB \| (.*)$")
@@ -39,7 +39,7 @@ DS_AGREEMENT = 0.007
 
 def _ours(model: str, n: int, **config: object) -> tuple[int, int]:
     cfg = {"precision": "bf16", "optimizer": "adamw", **config}  # DeepSpeed's: 16-bit Adam
-    states = model_states(REGISTRY[model].config, cfg, n, zero_init=bool(config.pop("zi", 1)))
+    states = model_states(MODELS[model].config, cfg, n, zero_init=bool(config.pop("zi", 1)))
     return states.host_bytes, states.gpu_bytes
 
 
@@ -53,7 +53,7 @@ def test_zero1_and_zero2_match_deepspeed(
         estimate_zero2_model_states_mem_needs_all_cold,
     )
 
-    psi = stats_of(REGISTRY[model].config).n_params
+    psi = stats_of(MODELS[model].config).n_params
     ds = _deepspeed_table(estimate_zero2_model_states_mem_needs_all_cold, psi, n, capsys=capsys)
     for offload, key in (("cpu", "offload_optimizer=cpu"), ("none", "offload_optimizer=none")):
         for stage in (1, 2):
@@ -74,7 +74,7 @@ def test_zero1_and_zero2_match_deepspeed(
 def test_zero3_matches_deepspeed(model: str, n: int, capsys: pytest.CaptureFixture[str]) -> None:
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs_all_cold
 
-    st = stats_of(REGISTRY[model].config)
+    st = stats_of(MODELS[model].config)
     ds = _deepspeed_table(
         estimate_zero3_model_states_mem_needs_all_cold,
         st.n_params,
@@ -146,7 +146,7 @@ def test_reduce_bucket_as_deepspeed_sizes_it() -> None:
     ``contiguous_gradients``; stage 3 makes one."""
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
-    tiny = REGISTRY["tiny-llama"].config
+    tiny = MODELS["tiny-llama"].config
 
     def bucket(stage: int, **config: object) -> int:
         phases = model_states(tiny, {"zero_stage": stage, **config}, 2).phases
@@ -428,7 +428,7 @@ def test_nodes_split_the_host_as_deepspeed_does(capsys: pytest.CaptureFixture[st
     from autotune.estimator.gpus import GPUS
     from autotune.estimator.states import estimator_states
 
-    model = REGISTRY["llama-7b"].config
+    model = MODELS["llama-7b"].config
     psi = stats_of(model).n_params
     ds = _deepspeed_table(estimate_zero2_model_states_mem_needs_all_cold, psi, 4, 2, capsys=capsys)
     gpu = GPUS["a100-80gb"].spanning(2, 4)
@@ -522,7 +522,7 @@ def test_the_estimators_build_zero3_under_zero_init(capsys: pytest.CaptureFixtur
     from autotune.estimator.gpus import GPUS
     from autotune.estimator.states import estimator_states
 
-    model = REGISTRY["llama-7b"].config
+    model = MODELS["llama-7b"].config
     st = stats_of(model)
     ds = _deepspeed_table(
         estimate_zero3_model_states_mem_needs_all_cold,

@@ -23,7 +23,7 @@ from autotune.export import UserSettings, export, measured_on
 from autotune.study import StudySettings
 from tests.conftest import TINY_SETTINGS
 from tests.test_export_tools import PLAIN
-from trials.techniques import REGISTRY
+from trials.techniques import TECHNIQUES
 from trials.techniques.base import Config, Run, Technique
 
 CPU = TINY_SETTINGS  # tiny-llama, 300MB, backend cpu, seq 64, global batch 8, one process
@@ -473,7 +473,7 @@ def test_technique_hooks_get_the_trials_run(
     """Each hook gets the batch shape per process, the process count, the device ("cuda" for
     an estimate) and the study's lr, and its keys reach its file."""
     config = {**ZERO, "micro_batch_size": 2}
-    with REGISTRY.extended(RunRecorder()) as technique:
+    with TECHNIQUES.extended(RunRecorder()) as technique:
         assert isinstance(technique, RunRecorder)
         hf = json.loads(export("hf", config, settings, tmp_path / "hf.json").read_text())
         acc = yaml.safe_load(

@@ -29,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from trials.techniques import (
     FIDELITY_CLASSES,
-    REGISTRY,
+    TECHNIQUES,
     choice_fidelity,
     classes_up_to,
     fidelity_class,
@@ -159,7 +159,7 @@ def test_a_configurations_class_is_its_least_faithful_choice() -> None:
         assert fidelity_class({da: va, db: vb}) == b, (a, b)
     assert fidelity_class({"precision": "bf16", "master_weights": "bf16"}) == "reduced_state"
     assert fidelity_class({}) == "exact"
-    assert fidelity_class(REGISTRY.baseline()) == "exact"
+    assert fidelity_class(TECHNIQUES.baseline()) == "exact"
 
 
 def test_allow_searches_that_class_and_the_more_faithful_ones() -> None:

@@ -14,13 +14,13 @@ from autotune.estimator.analytical import AnalyticalEstimator
 from autotune.estimator.base import Estimate
 from autotune.estimator.gpus import GPUS
 from autotune.estimator.paging import apply_budget, page, paged_state_bytes
-from autotune.models import REGISTRY, stats_of
+from autotune.models import MODELS, stats_of
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
-LLAMA7B = REGISTRY["llama-7b"].config
-LLAMA31 = REGISTRY["llama-3.1-8b"].config
-TINY = REGISTRY["tiny-llama"].config
+LLAMA7B = MODELS["llama-7b"].config
+LLAMA31 = MODELS["llama-3.1-8b"].config
+TINY = MODELS["tiny-llama"].config
 BASE = {"precision": "bf16", "attention": "sdpa", "optimizer": "adamw", "micro_batch_size": 4}
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import optuna
 import pytest
 
-from autotune.hardware import Hardware
+from autotune.availability import Hardware
 from autotune.lossguard import (
     EXACT_RTOL,
     LossVerdict,
@@ -20,7 +20,7 @@ from autotune.lossguard import (
     model_family,
     proxy_config,
 )
-from autotune.models import REGISTRY
+from autotune.models import MODELS
 from autotune.runner import SubprocessRunner, TrialRunner
 from autotune.space import SearchSpace
 from autotune.study import ensure_reference, least_memory_exact, no_reference_why, settings_of
@@ -51,7 +51,7 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def _prober(runner: TrialRunner, model: str = "tiny-llama", steps: int = STEPS) -> Prober:
-    return Prober(REGISTRY[model].config, ProbeSettings(steps, 2, 3e-3, "cpu"), runner)
+    return Prober(MODELS[model].config, ProbeSettings(steps, 2, 3e-3, "cpu"), runner)
 
 
 @pytest.mark.real_trial
@@ -64,7 +64,7 @@ def test_probe_verdict_is_the_seed_paired_final_loss_difference(cache: Path) -> 
     assert {s.model_config["hidden_size"] for s in runner.specs} == {64}
     assert {s.measured_steps for s in runner.specs} == {STEPS}
     # the oracle: the same proxy trained here by hand, the last 5 steps' mean loss per seed
-    proxy = proxy_config(REGISTRY["tiny-llama"].config)
+    proxy = proxy_config(MODELS["tiny-llama"].config)
 
     def final(config: dict[str, str], seed: int) -> float:
         spec = TrialSpec(
@@ -103,7 +103,7 @@ def test_probes_are_cached_per_family(cache: Path) -> None:
     # non-numerics choices share the probe
     assert _prober(again).judge({"precision": "bf16", "zero_stage": 2}, 0.02) == a
     assert len(again.specs) == 2
-    assert model_family(REGISTRY["tiny-llama"].config) == model_family(REGISTRY["llama-7b"].config)
+    assert model_family(MODELS["tiny-llama"].config) == model_family(MODELS["llama-7b"].config)
 
 
 def test_a_failed_probe_is_not_cached(cache: Path, tmp_path: Path) -> None:

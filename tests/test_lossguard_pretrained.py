@@ -79,7 +79,7 @@ def test_a_big_checkpoint_is_probed_on_its_first_layers() -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from autotune.lossguard import PRETRAINED_PROBE_PARAMS, pretrained_slice
-    from autotune.models import REGISTRY
+    from autotune.models import MODELS
     from trials.build import build_model
 
     def params(cfg: dict[str, object]) -> int:  # transformers' own count, on the meta device
@@ -90,13 +90,13 @@ def test_a_big_checkpoint_is_probed_on_its_first_layers() -> None:
             )
         return int(built.num_parameters())
 
-    deep = {**REGISTRY["small-llama"].config, "vocab_size": 512, "num_hidden_layers": 16}
+    deep = {**MODELS["small-llama"].config, "vocab_size": 512, "num_hidden_layers": 16}
     cut = pretrained_slice(deep)  # 16 layers of ~3.1M parameters
     layers = int(cut["num_hidden_layers"])
     assert 1 < layers < 16
     assert params(cut) <= PRETRAINED_PROBE_PARAMS < params({**cut, "num_hidden_layers": layers + 1})
     # 32,000 x 512 embeddings and head alone are beyond it: one layer, the least
-    assert pretrained_slice(REGISTRY["small-llama"].config)["num_hidden_layers"] == 1
+    assert pretrained_slice(MODELS["small-llama"].config)["num_hidden_layers"] == 1
     # a slice takes the checkpoint's first layers
     entry = resolve_model(str(PRETRAINED))
     one = build_model({**entry.config, "num_hidden_layers": 1}, "sdpa", 0, weights=entry.weights)

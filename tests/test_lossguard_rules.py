@@ -22,12 +22,12 @@ from autotune.lossguard import (
     model_family,
     proxy_config,
 )
-from autotune.models import REGISTRY
+from autotune.models import MODELS
 from autotune.runner import TrialRunner
 from trials.engines import trial_deepspeed_config
 from trials.spec import TrialResult, TrialSpec
 
-LLAMA = REGISTRY["tiny-llama"].config
+LLAMA = MODELS["tiny-llama"].config
 
 
 # --- exact: every step within 1e-3 of the reference -------------------------------------------
@@ -238,8 +238,8 @@ def test_a_verdict_round_trips_through_trial_attrs() -> None:
 
 
 def test_proxy_keeps_the_family_and_the_grouped_query_ratio() -> None:
-    llama7b = REGISTRY["llama-2-7b"].config
-    llama3 = REGISTRY["llama-3-8b"].config  # 32 heads, 8 KV heads, 14336 / 4096 = 3.5
+    llama7b = MODELS["llama-2-7b"].config
+    llama3 = MODELS["llama-3-8b"].config  # 32 heads, 8 KV heads, 14336 / 4096 = 3.5
     p = proxy_config(llama3)
     assert (p["hidden_size"], p["num_hidden_layers"], p["num_attention_heads"]) == (64, 2, 4)
     assert p["num_key_value_heads"] == 1  # 4 heads x 8 / 32
@@ -250,7 +250,7 @@ def test_proxy_keeps_the_family_and_the_grouped_query_ratio() -> None:
     assert proxy_config(llama7b)["num_key_value_heads"] == 4  # multi-head: kv = heads
     assert proxy_config({"model_type": "x", "vocab_size": 100})["vocab_size"] == 100
     # two sizes of one family share probes; another non-size setting is another family
-    assert model_family(llama7b) == model_family(REGISTRY["llama-2-13b"].config)
+    assert model_family(llama7b) == model_family(MODELS["llama-2-13b"].config)
     assert model_family(llama7b) != model_family({**llama7b, "rms_norm_eps": 1e-6 * 3})
     assert model_family(llama7b).startswith("llama-") and len(model_family(llama7b)) == 12
 

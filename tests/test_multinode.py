@@ -80,9 +80,9 @@ def test_zero_communication_across_nodes_is_priced_on_the_nodes_network() -> Non
     each build their share of the model instead of 32)."""
     from autotune.estimator.analytical import AnalyticalEstimator
     from autotune.estimator.gpus import gpu_spec
-    from autotune.models import REGISTRY
+    from autotune.models import MODELS
 
-    entry = REGISTRY["llama-70b"]
+    entry = MODELS["llama-70b"]
     config = {
         "zero_stage": 3,
         "precision": "bf16",

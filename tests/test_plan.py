@@ -8,7 +8,7 @@ import os
 import pytest
 
 from autotune.errors import UserError
-from autotune.models import REGISTRY
+from autotune.models import MODELS
 from autotune.plan import RunOptions, plan_study
 from tests.conftest import SMALL_SPACE
 
@@ -27,7 +27,7 @@ SMALL_DIMENSIONS = {
 def test_a_cpu_study_of_tiny_llama() -> None:
     plan = plan_study(RunOptions(**TINY))
     s = plan.settings
-    assert (s.model, s.model_config) == ("tiny-llama", REGISTRY["tiny-llama"].config)
+    assert (s.model, s.model_config) == ("tiny-llama", MODELS["tiny-llama"].config)
     assert (s.budget_bytes, s.budget_label, s.backend, s.target_gpu) == (
         300_000_000, "300MB", "cpu", "")  # fmt: skip
     assert (s.seq_len, s.global_batch_size, s.nproc, s.nodes) == (64, 8, 1, 1)

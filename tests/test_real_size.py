@@ -18,7 +18,7 @@ import optuna
 import pytest
 import torch
 
-from autotune.hardware import Hardware
+from autotune.availability import Hardware
 from autotune.runner import SubprocessRunner, merge_ranks, new_trial_dir, trial_env
 from autotune.space import SearchSpace
 from autotune.storage import open_storage

@@ -93,7 +93,7 @@ def test_fsdp2_offload_at_llama_7b_both_estimators_agree() -> None:
     counted its layers as autocast's too), and both counted the head's gradient beside the
     full loss's logits gradients (the replica at 512 tokens above)."""
     from autotune.estimator.gpus import GPUS
-    from autotune.models import REGISTRY as MODELS
+    from autotune.models import MODELS
 
     config = {**BASE, "fsdp": "full_shard", "fsdp_offload": "cpu"}
     kw = {"seq_len": 2048, "global_batch_size": 4, "gpu": GPUS["a100-80gb"]}

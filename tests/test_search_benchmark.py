@@ -19,7 +19,7 @@ import pytest
 
 from autotune.estimator.analytical import AnalyticalEstimator
 from autotune.estimator.gpus import gpu_spec
-from autotune.models import REGISTRY
+from autotune.models import MODELS
 from autotune.space import SearchSpace
 from autotune.strategy import config_key
 from benchmarks import search_efficiency as se
@@ -116,7 +116,7 @@ SMALL = SearchSpace.from_dict(
 
 
 def small_predict(c: dict) -> tuple[float, float]:
-    entry = REGISTRY["small-llama"]
+    entry = MODELS["small-llama"]
     e = AnalyticalEstimator().estimate(
         entry.config,
         c,
@@ -129,7 +129,7 @@ def small_predict(c: dict) -> tuple[float, float]:
 
 
 def small_reality(seed: int):  # type: ignore[no-untyped-def]
-    entry = REGISTRY["small-llama"]
+    entry = MODELS["small-llama"]
     space = SMALL.resolve(entry.global_batch_size, se.cuda_hardware(2))
     predict = small_predict
     settings = {
@@ -263,7 +263,7 @@ def test_a_real_study_at_scale_finds_a_fitting_exact_configuration(tmp_path: Pat
     study's reference is a fitting exact configuration, and besides it the search finds a
     fitting full-training one (exact or mixed precision) that passed the loss guard."""
     budget = 48 * 2**20
-    n_params = REGISTRY["tiny-llama"].n_params
+    n_params = MODELS["tiny-llama"].n_params
     assert 16 * n_params > 2 * budget  # the premise: model states several times the budget
     db = tmp_path / "study.db"
     # the packaged space with gradient buckets sized for a 7M-parameter model: DeepSpeed
@@ -357,7 +357,7 @@ def test_the_misled_reality_rewards_what_the_prior_ranks_last() -> None:
     configuration in the interaction reality, and the optimum takes it."""
     from benchmarks.realities.core import misled_reality
 
-    entry = REGISTRY["small-llama"]
+    entry = MODELS["small-llama"]
     base = small_reality(2)
     predict = small_predict
     settings = {

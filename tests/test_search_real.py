@@ -3,8 +3,8 @@ a small enumerated space in fewer trials than the space has configurations."""
 
 from __future__ import annotations
 
-from autotune.hardware import Hardware
-from autotune.models import REGISTRY
+from autotune.availability import Hardware
+from autotune.models import MODELS
 from autotune.space import SearchSpace
 from autotune.strategy import (
     AutotuneSampler,
@@ -39,7 +39,7 @@ def test_finds_the_best_measured_config_in_fewer_trials_than_the_space() -> None
     best = max(fitting, key=lambda k: fitting[k].tokens_per_s)
 
     predict = analytical_predictor(
-        REGISTRY["tiny-llama"].config, seq_len=64, global_batch_size=8, nproc=1, gpu_key=None
+        MODELS["tiny-llama"].config, seq_len=64, global_batch_size=8, nproc=1, gpu_key=None
     )
     sampler = AutotuneSampler(grid, predict, BUDGET)
     history: list[Observation] = []

@@ -4,8 +4,8 @@ from pathlib import Path
 import optuna
 import pytest
 
+from autotune.availability import Hardware
 from autotune.errors import UserError
-from autotune.hardware import Hardware
 from autotune.space import SearchSpace
 
 CPU = Hardware(backend="cpu")

@@ -21,7 +21,7 @@ from autotune.yaml_limits import parse_yaml
 from tests.conftest import tiny_spec
 from trials.hardware import Hardware
 from trials.job import run_trial
-from trials.techniques import REGISTRY, Forbid, Knob, Technique
+from trials.techniques import TECHNIQUES, Forbid, Knob, Technique
 
 RECORD = json.loads((Path(__file__).parent / "data" / "space_record.json").read_text())
 HARDWARE = {
@@ -103,7 +103,7 @@ def test_no_bundled_space_restates_a_techniques_rule(name: str) -> None:
         {k: set(v) if isinstance(v, list) else {v} for k, v in r["forbid"].items()}
         for r in raw.get("rules") or []
     ]
-    for rule in REGISTRY.forbids():
+    for rule in TECHNIQUES.forbids():
         declared = {k: set(v) for k, v in rule.choices.items()}
         assert not any(_within(w, declared) for w in written), rule
 
@@ -192,7 +192,7 @@ class _Toy(Technique):
 
 
 def test_a_new_techniques_rule_reaches_the_space_and_the_job() -> None:
-    with REGISTRY.extended(_Toy()):
+    with TECHNIQUES.extended(_Toy()):
         space = SearchSpace.from_dict(
             {
                 "dimensions": {

@@ -6,7 +6,7 @@ import math
 
 import optuna
 
-from autotune.hardware import Hardware
+from autotune.availability import Hardware
 from autotune.space import SearchSpace
 from autotune.strategy import AutotuneSampler, Observation, needs_no_less_memory
 

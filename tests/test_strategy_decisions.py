@@ -29,7 +29,7 @@ from autotune.estimator.analytical import AnalyticalEstimator
 from autotune.estimator.gpus import gpu_spec
 from autotune.models import resolve_model
 from autotune.strategy import AutotuneSampler, Observation, needs_no_less_memory
-from trials.techniques import REGISTRY
+from trials.techniques import TECHNIQUES
 
 Config = dict[str, Any]
 MODEL = resolve_model("llama-7b").config
@@ -58,8 +58,8 @@ def _peak(config: Config) -> int:
 def test_memory_orders_agree_with_the_estimators_device_peaks(dim: str) -> None:
     """For each pair of values the estimator tells apart, the one the order puts first has the
     smaller predicted device peak."""
-    order = REGISTRY.memory_orders()[dim]
-    knob = REGISTRY.knob(dim)
+    order = TECHNIQUES.memory_orders()[dim]
+    knob = TECHNIQUES.knob(dim)
     values = list(knob.choices) if knob and knob.choices else [1, 2, 4, 8]
     peaks = {v: _peak({**WHERE[dim], dim: v}) for v in values}
     compared = 0
@@ -80,7 +80,7 @@ def test_offloading_the_optimizer_needs_less_device_memory_by_hand() -> None:
         {**base, "offload_optimizer": "cpu"}
     )
     assert saved >= 8 * n // 2  # two ranks: each holds half of ZeRO-2's partitioned states
-    order = REGISTRY.memory_orders()["offload_optimizer"]
+    order = TECHNIQUES.memory_orders()["offload_optimizer"]
     assert order("cpu") < order("none")
 
 

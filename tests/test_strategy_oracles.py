@@ -17,7 +17,7 @@ from optuna.trial import TrialState
 
 from autotune.estimator.analytical import AnalyticalEstimator
 from autotune.estimator.gpus import GpuSpec, Machine, gpu_spec
-from autotune.models import REGISTRY
+from autotune.models import MODELS
 from autotune.strategy import AutotuneSampler, Observation, analytical_predictor, observations
 
 Config = dict[str, Any]
@@ -444,7 +444,7 @@ def test_a_record_without_a_configuration_does_not_end_the_observations() -> Non
 
 # --- the analytical predictor --------------------------------------------------------------------
 
-TINY = REGISTRY["tiny-llama"].config
+TINY = MODELS["tiny-llama"].config
 CONFIGS = [
     {"precision": "bf16", "micro_batch_size": 1, "zero_stage": 1},
     {"precision": "fp16", "micro_batch_size": 2, "zero_stage": 1},

@@ -9,7 +9,7 @@ from pathlib import Path
 import optuna
 from optuna.trial import TrialState
 
-from autotune.hardware import Hardware
+from autotune.availability import Hardware
 from autotune.runner import TrialRunner
 from autotune.space import SearchSpace
 from autotune.strategy import AutotuneSampler, Observation, observations

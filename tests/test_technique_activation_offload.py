@@ -16,7 +16,7 @@ from autotune.estimator.speed import PCIE_EFFICIENCY
 from autotune.estimator.traced import TracedEstimator
 from tests.conftest import TINY, measured_and_predicted, tiny_loss_and_grads, tiny_spec
 from trials.job import run_trial
-from trials.techniques import REGISTRY
+from trials.techniques import TECHNIQUES
 from trials.techniques.base import Run
 
 FULL = {"gradient_checkpointing": "full"}
@@ -61,7 +61,7 @@ def test_host_bytes_are_what_the_layers_save_counted_by_hand() -> None:
 def test_the_speed_model_charges_two_pcie_crossings_per_micro_batch() -> None:
     """llama-7b on an A100 80GB, full checkpointing, micro-batch 2 of 8 (4 micro-batches): the
     offload time grows by 4 x 2 x (offloaded bytes) / (PCIe bandwidth x efficiency)."""
-    from autotune.models import REGISTRY as MODELS
+    from autotune.models import MODELS
 
     cfg = MODELS["llama-7b"].config
     base = {**FULL, "precision": "bf16", "micro_batch_size": 2}
@@ -86,9 +86,9 @@ def test_axolotl_reads_its_activation_offloading_key() -> None:
 
     from tests.test_export_consumers import AXOLOTL_USER
 
-    technique = next(t for t in REGISTRY if t.family == "activation_offload")
+    technique = next(t for t in TECHNIQUES if t.family == "activation_offload")
     run = Run(1, 1, 1, "cuda", 1e-4)
-    checkpointing = next(t for t in REGISTRY if t.family == "checkpointing")
+    checkpointing = next(t for t in TECHNIQUES if t.family == "checkpointing")
     for config, mode in [({**FULL, **OFF}, "hidden_states"), ({**EVERY_2, **OFF}, True)]:
         fragment = {**checkpointing.axolotl(config, run), **technique.axolotl(config, run)}
         cfg = validate_config(DictDefault({**AXOLOTL_USER, "micro_batch_size": 1, **fragment}))

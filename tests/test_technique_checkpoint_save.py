@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.conftest import measured_and_predicted, tiny_loss_and_grads, tiny_spec
-from trials.techniques import REGISTRY
+from trials.techniques import TECHNIQUES
 from trials.techniques.base import Run
 from trials.techniques.checkpointing import SAVED_OPS, checkpoint_kwargs
 
@@ -40,7 +40,7 @@ def test_axolotl_reads_its_selective_checkpointing_keys() -> None:
 
     from tests.test_export_consumers import AXOLOTL_USER
 
-    technique = next(t for t in REGISTRY if t.family == "checkpointing")
+    technique = next(t for t in TECHNIQUES if t.family == "checkpointing")
     run = Run(1, 1, 1, "cuda", 1e-4)
     fragment = technique.axolotl(
         {"gradient_checkpointing": "full", "checkpoint_save": "matmuls"}, run

@@ -18,14 +18,14 @@ from typing import Any
 import pytest
 import torch
 
-from autotune.hardware import Hardware
+from autotune.availability import Hardware
 from autotune.space import SearchSpace
 from tests.conftest import TINY, measured_and_predicted, tiny_spec
 from trials.build import build_model
 from trials.engines import TorchEngine
 from trials.job import rank_batches
 from trials.memory import CpuMemoryMonitor
-from trials.techniques import REGISTRY
+from trials.techniques import TECHNIQUES
 from trials.techniques.base import Run
 
 
@@ -33,7 +33,7 @@ def _three_steps(config: dict[str, Any], allocator: bool, budget: int | None = N
     spec = tiny_spec(config)
     monitor = CpuMemoryMonitor(budget)
     with monitor:
-        model = REGISTRY.apply(build_model(TINY, "sdpa", 0), spec.config, torch.device("cpu"))
+        model = TECHNIQUES.apply(build_model(TINY, "sdpa", 0), spec.config, torch.device("cpu"))
         engine = TorchEngine(model, spec, torch.device("cpu"), monitor)
         monitor.end_construction()
         for step in range(3):
@@ -81,7 +81,7 @@ def test_a_compiled_layer_compiles_where_the_allocator_counts() -> None:
     counters.clear()
     monitor = CpuMemoryMonitor(None)
     with monitor:
-        model = REGISTRY.apply(build_model(TINY, "sdpa", 0), spec.config, torch.device("cpu"))
+        model = TECHNIQUES.apply(build_model(TINY, "sdpa", 0), spec.config, torch.device("cpu"))
         engine = TorchEngine(model, spec, torch.device("cpu"), monitor)
         with monitor.allocator_counted():
             engine.step(rank_batches(spec, 0, 0, 1))
@@ -169,7 +169,7 @@ def test_the_exports_are_read_by_their_consumers() -> None:
 
     from tests.test_export_consumers import AXOLOTL_USER
 
-    technique = next(t for t in REGISTRY if t.family == "compile")
+    technique = next(t for t in TECHNIQUES if t.family == "compile")
     run = Run(1, 1, 1, "cuda", 1e-4)
     args = technique.training_arguments({"compile": True}, run)
     (parsed,) = HfArgumentParser(TrainingArguments).parse_dict(

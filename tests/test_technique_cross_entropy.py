@@ -13,7 +13,7 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 
 from tests.conftest import TINY, measured_and_predicted, tiny_spec
 from trials.build import build_model
-from trials.techniques import REGISTRY
+from trials.techniques import TECHNIQUES
 from trials.techniques.base import Run
 from trials.techniques.cross_entropy import CHUNKS, chunked_causal_lm_loss
 
@@ -45,7 +45,9 @@ def test_the_loss_and_its_gradients_are_transformers(tokens: int, items: int | N
 def test_the_model_trains_the_same_and_keeps_its_head() -> None:
     ids = torch.randint(0, TINY["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(1))
     plain = build_model(TINY, "sdpa", seed=3)
-    chunked = REGISTRY.apply(build_model(TINY, "sdpa", seed=3), {"cross_entropy": "chunked"}, "cpu")
+    chunked = TECHNIQUES.apply(
+        build_model(TINY, "sdpa", seed=3), {"cross_entropy": "chunked"}, "cpu"
+    )
     head_before = dict(plain.named_parameters())
 
     plain(input_ids=ids, labels=ids).loss.backward()
@@ -63,13 +65,13 @@ def test_the_model_trains_the_same_and_keeps_its_head() -> None:
 def test_full_leaves_the_model_alone() -> None:
     model = build_model(TINY, "sdpa", seed=3)
     head = model.get_output_embeddings()
-    assert REGISTRY.apply(model, {"cross_entropy": "full"}, "cpu").get_output_embeddings() is head
+    assert TECHNIQUES.apply(model, {"cross_entropy": "full"}, "cpu").get_output_embeddings() is head
 
 
 def test_exports() -> None:
     """Liger's fused linear cross-entropy alone on CUDA; axolotl's chunked loss on a CPU; the
     slices in the companion file; nothing for the plain loss."""
-    technique = next(t for t in REGISTRY if t.family == "cross_entropy")
+    technique = next(t for t in TECHNIQUES if t.family == "cross_entropy")
     chunked = {"cross_entropy": "chunked"}
     cuda, cpu = Run(1, 1, 1, "cuda", 1e-4), Run(1, 1, 1, "cpu", 1e-4)
     args = technique.training_arguments(chunked, cuda)
@@ -93,7 +95,7 @@ def test_axolotl_reads_the_cpu_keys() -> None:
 
     from tests.test_export_consumers import AXOLOTL_USER
 
-    technique = next(t for t in REGISTRY if t.family == "cross_entropy")
+    technique = next(t for t in TECHNIQUES if t.family == "cross_entropy")
     fragment = technique.axolotl({"cross_entropy": "chunked"}, Run(1, 1, 1, "cpu", 1e-4))
     cfg = validate_config(DictDefault({**AXOLOTL_USER, "micro_batch_size": 1, **fragment}))
     assert cfg["chunked_cross_entropy"] is True

@@ -20,7 +20,7 @@ from trials.hardware import Hardware
 from trials.job import run_trial
 from trials.memory import CpuMemoryMonitor
 from trials.spec import TrialResult, TrialSpec
-from trials.techniques import REGISTRY
+from trials.techniques import TECHNIQUES
 from trials.techniques.base import Run
 
 #: the shape of the measured runs: 2 ranks, micro-batch 4 x 64 tokens, full checkpointing and
@@ -247,7 +247,7 @@ def test_transformers_and_accelerate_read_the_exports(
     from accelerate.commands.config.config_args import ClusterConfig
     from transformers import TrainingArguments
 
-    technique = next(t for t in REGISTRY if t.family == "fsdp")
+    technique = next(t for t in TECHNIQUES if t.family == "fsdp")
     run = Run(2, 1, 2, "cuda", 1e-4)
     args = TrainingArguments(output_dir=str(tmp_path), **technique.training_arguments(config, run))
     plugin = args.fsdp_plugin_args
@@ -271,7 +271,7 @@ def test_the_speed_model_charges_full_shard_one_and_a_half_all_reduces() -> None
     reduce-scatter against an all-reduce, which is a reduce-scatter and an all-gather); and
     offloading the shards costs PCIe and the host's step on top."""
     from autotune.estimator.gpus import GPUS
-    from autotune.models import REGISTRY as MODELS
+    from autotune.models import MODELS
 
     instant = dataclasses.replace(
         GPUS["a100-80gb"], fp32_tflops=1e12, bf16_tflops=1e12, fp16_tflops=1e12, hbm_gbps=1e12

@@ -9,7 +9,7 @@ from autotune.runner import trial_env
 from autotune.selector import simplicity
 from autotune.strategy import LOSS_RIDGE_DEFAULT, _loss_prior
 from tests.conftest import tiny_spec
-from trials.techniques import REGISTRY, Knob, Technique
+from trials.techniques import TECHNIQUES, Knob, Technique
 from trials.techniques.base import Config
 
 
@@ -31,7 +31,7 @@ class _Toy(Technique):
 
 
 def test_simplicity_weighs_a_new_techniques_complexity() -> None:
-    with REGISTRY.extended(_Toy()):
+    with TECHNIQUES.extended(_Toy()):
         # (used, sharding, offloads): ZeRO-2 shards 2, one offload counts 1
         assert simplicity({"toy_hooks": "offloaded"}) == (1, 2, 1)
         assert simplicity({"toy_hooks": "sharded", "zero_stage": 2}) == (2, 4, 0)
@@ -40,14 +40,14 @@ def test_simplicity_weighs_a_new_techniques_complexity() -> None:
 
 
 def test_the_probe_and_the_loss_prior_read_the_knob() -> None:
-    with REGISTRY.extended(_Toy()):
-        assert REGISTRY.probe_plain(8) == {
+    with TECHNIQUES.extended(_Toy()):
+        assert TECHNIQUES.probe_plain(8) == {
             "attention": "sdpa",
             "micro_batch_size": 8,
             "toy_hooks": "off",
         }
         assert _loss_prior("toy_hooks") == 0.5
-    assert REGISTRY.probe_plain(4) == {"attention": "sdpa", "micro_batch_size": 4}
+    assert TECHNIQUES.probe_plain(4) == {"attention": "sdpa", "micro_batch_size": 4}
     assert _loss_prior("precision") == 1.0
     assert _loss_prior("optimizer") == LOSS_RIDGE_DEFAULT
 
@@ -55,7 +55,7 @@ def test_the_probe_and_the_loss_prior_read_the_knob() -> None:
 def test_a_cuda_trials_environment_comes_from_the_techniques() -> None:
     base = {"TOY_BASE": "kept", "PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:64"}
     spec = tiny_spec({"expandable_segments": True, "toy_hooks": "sharded"}, backend="cuda")
-    with REGISTRY.extended(_Toy()):
+    with TECHNIQUES.extended(_Toy()):
         env = trial_env(base, spec)
     assert env["TOY_HOOKS"] == "sharded+kept"
     assert env["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:64,expandable_segments:True"

@@ -15,7 +15,7 @@ from autotune.models import stats_of
 from tests.conftest import TINY, TINY_SETTINGS, tiny_spec
 from trials.build import build_model
 from trials.job import run_trial
-from trials.techniques import REGISTRY, fidelity_class
+from trials.techniques import TECHNIQUES, fidelity_class
 
 LORA = {"adapter": "lora", "lora_rank": 8, "lora_targets": "all_linear"}
 ATTENTION = {"adapter": "lora", "lora_rank": 16, "lora_targets": "attention"}
@@ -33,7 +33,7 @@ def test_peft_trains_what_the_estimators_count(config: dict) -> None:
     """The adapters peft makes on tiny-llama (the job's ``apply``): its trainable parameter
     count is the estimators' (``adapter_shapes``), the base frozen in bf16, the adapters fp32."""
     config = {"precision": "bf16", **config}
-    model = REGISTRY.apply(build_model(TINY, "sdpa", seed=1), config, "cpu")
+    model = TECHNIQUES.apply(build_model(TINY, "sdpa", seed=1), config, "cpu")
     trainable = [p for p in model.parameters() if p.requires_grad]
     frozen = [p for p in model.parameters() if not p.requires_grad]
     shapes, _ = adapter_shapes(stats_of(TINY), config)

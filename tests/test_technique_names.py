@@ -1,6 +1,6 @@
 """No technique is named outside its module: outside ``trials/techniques/`` no module looks a
 configuration's dimension up by name or compares a looked-up value with a choice by name; they
-ask the registry (``trials.techniques.REGISTRY``) or the technique's own helpers.
+ask the registry (``trials.techniques.TECHNIQUES``) or the technique's own helpers.
 
 Read from the syntax tree, a use is a string constant that is a registered dimension's name
 used as a subscript (``config["zero_stage"]``), as the key of ``.get`` / ``.pop`` /
@@ -13,7 +13,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from trials.techniques import REGISTRY
+from trials.techniques import TECHNIQUES
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("autotune", "trials")
@@ -31,8 +31,8 @@ LOOKUPS = ("get", "pop", "setdefault")
 
 def named_uses(source: str) -> list[tuple[int, str]]:
     """(line, what) for every use of a technique's dimension or choice by name in ``source``."""
-    dimensions = set(REGISTRY.known_dimensions())
-    choices = {c for k in REGISTRY.knobs() for c in k.choices or () if isinstance(c, str)}
+    dimensions = set(TECHNIQUES.known_dimensions())
+    choices = {c for k in TECHNIQUES.knobs() for c in k.choices or () if isinstance(c, str)}
 
     def dimension(node: ast.AST) -> str | None:
         if isinstance(node, ast.Constant) and isinstance(node.value, str):

@@ -18,7 +18,7 @@ from tests.conftest import TINY, tiny_spec
 from trials.build import build_model
 from trials.hardware import Hardware
 from trials.job import run_trial
-from trials.techniques import OPTIMIZERS, REGISTRY
+from trials.techniques import OPTIMIZERS, TECHNIQUES
 from trials.techniques.base import Run
 from trials.techniques.optimizer_in_backward import InBackward
 
@@ -162,7 +162,7 @@ def test_two_processes_train_as_distributed_data_parallel(tmp_path: Path) -> Non
 
 
 def test_the_companion_file_says_it() -> None:
-    technique = next(t for t in REGISTRY if t.family == "optimizer_in_backward")
+    technique = next(t for t in TECHNIQUES if t.family == "optimizer_in_backward")
     run = Run(16, 1, 1, "cuda", 1e-4)
     assert technique.companion(ON, run) == {"optimizer_in_backward": True}
     assert technique.companion({}, run) == {"optimizer_in_backward": False}

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from autotune.hardware import Hardware
+from autotune.availability import Hardware
 from autotune.space import SearchSpace
 from tests.conftest import TINY, measured_and_predicted, tiny_spec
 from trials.build import build_model
@@ -30,7 +30,7 @@ from trials.data import (
 from trials.data import (
     layout as data_layout,
 )
-from trials.techniques import REGISTRY
+from trials.techniques import TECHNIQUES
 from trials.techniques.base import Run
 from trials.techniques.packing import FIXED_LENGTH
 
@@ -141,7 +141,7 @@ def test_the_dimension_needs_documents() -> None:
 
 
 def test_exports() -> None:
-    technique = next(t for t in REGISTRY if t.family == "packing")
+    technique = next(t for t in TECHNIQUES if t.family == "packing")
     run = Run(4, 2, 1, "cuda", 1e-4)
     assert technique.axolotl({"packing": True}, run) == {"sample_packing": True}
     assert technique.axolotl({"packing": False}, run) == {}
@@ -156,7 +156,7 @@ def test_axolotl_reads_sample_packing() -> None:
 
     from tests.test_export_consumers import AXOLOTL_USER
 
-    technique = next(t for t in REGISTRY if t.family == "packing")
+    technique = next(t for t in TECHNIQUES if t.family == "packing")
     fragment = technique.axolotl({"packing": True}, Run(1, 1, 1, "cuda", 1e-4))
     cfg = validate_config(DictDefault({**AXOLOTL_USER, "micro_batch_size": 1, **fragment}))
     assert cfg["sample_packing"] is True
@@ -249,7 +249,7 @@ def test_a_gpu_prediction_lays_out_every_step() -> None:
     for a GPU lays out all of them."""
     from autotune.estimator.analytical import AnalyticalEstimator
     from autotune.estimator.gpus import gpu_spec
-    from autotune.estimator.runner import EstimateRunner
+    from autotune.estimator.prediction_runners import EstimateRunner
 
     spec = tiny_spec({}, seq_len=128, measured_steps=6, seed=3)
     spec.documents = [8, 128]

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from autotune.models import REGISTRY as MODELS
+from autotune.models import MODELS
 from tests.conftest import measured_and_predicted, tiny_spec
+from trials.deepspeed_engine import deepspeed_config
 from trials.techniques import fidelity_class
 from trials.techniques.base import Run
-from trials.zero import deepspeed_config
 
 BUCKETS = {"reduce_bucket_size": 500_000, "allgather_bucket_size": 500_000}
 PURE = {"precision": "bf16", "master_weights": "bf16"}

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from autotune.availability import Hardware
 from autotune.estimator.analytical import AnalyticalEstimator
 from autotune.estimator.traced import TracedEstimator
-from autotune.hardware import Hardware
 from autotune.space import SearchSpace
 from tests.conftest import TINY, tiny_spec
 from trials.job import run_trial

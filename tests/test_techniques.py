@@ -19,20 +19,20 @@ import pytest
 import torch
 from torch import nn
 
+from autotune.availability import Hardware
 from autotune.errors import UserError
 from autotune.estimator.analytical import AnalyticalEstimator
 from autotune.estimator.gpus import GPUS
 from autotune.estimator.traced import TracedEstimator
 from autotune.export import EXPORTERS, export
-from autotune.hardware import Hardware
 from autotune.ladder import baseline_config
-from autotune.models import REGISTRY as MODELS
+from autotune.models import MODELS
 from autotune.selector import simplicity
 from autotune.space import SearchSpace
 from autotune.strategy import AutotuneSampler, needs_no_less_memory, observations
 from tests.conftest import TINY_SETTINGS, tiny_spec
 from trials.job import run_trial
-from trials.techniques import REGISTRY, fidelity_class
+from trials.techniques import TECHNIQUES, fidelity_class
 from trials.techniques.base import Config, Knob, Run, Technique
 from trials.techniques.terms import MemoryStep, SpeedStep
 
@@ -100,7 +100,7 @@ GPU = Hardware(backend="cuda", cuda_capability=(9, 0), gpu_count=1)
 
 @pytest.fixture()
 def toy() -> Iterator[ToyPad]:
-    with REGISTRY.extended(ToyPad()) as technique:
+    with TECHNIQUES.extended(ToyPad()) as technique:
         assert isinstance(technique, ToyPad)
         yield technique
 
@@ -108,7 +108,7 @@ def toy() -> Iterator[ToyPad]:
 def test_built_in_tables_are_the_ones_the_modules_replaced() -> None:
     """The registry gives back, per dimension, the tables that used to be written out in
     space.py, ladder.py/selector.py, strategy.py and techniques.py (copied here by hand)."""
-    assert list(REGISTRY.known_dimensions()) == [
+    assert list(TECHNIQUES.known_dimensions()) == [
         "gradient_checkpointing",
         "checkpoint_every",
         "checkpoint_save",
@@ -137,9 +137,9 @@ def test_built_in_tables_are_the_ones_the_modules_replaced() -> None:
         "contiguous_gradients",
         "expandable_segments",
     ]
-    assert REGISTRY.known_dimensions()["quantization"] == ("none", "int8", "nf4")
-    assert REGISTRY.known_dimensions()["zero_stage"] == (0, 1, 2, 3)
-    assert REGISTRY.baseline() == {
+    assert TECHNIQUES.known_dimensions()["quantization"] == ("none", "int8", "nf4")
+    assert TECHNIQUES.known_dimensions()["zero_stage"] == (0, 1, 2, 3)
+    assert TECHNIQUES.baseline() == {
         "gradient_checkpointing": "off",
         "cross_entropy": "full",
         "activation_offload": "none",
@@ -158,7 +158,7 @@ def test_built_in_tables_are_the_ones_the_modules_replaced() -> None:
         "quantization": "none",
         "adapter": "none",
     }
-    assert set(REGISTRY.memory_orders()) == {
+    assert set(TECHNIQUES.memory_orders()) == {
         "micro_batch_size",
         "gradient_checkpointing",
         "checkpoint_save",
@@ -174,20 +174,20 @@ def test_built_in_tables_are_the_ones_the_modules_replaced() -> None:
         "allgather_bucket_size",
         "overlap_comm",
     }
-    assert REGISTRY.numerics_dimensions() == (
+    assert TECHNIQUES.numerics_dimensions() == (
         "precision",
         "master_weights",
         "optimizer",
         "quantization",
         "adapter",
     )
-    families = [t.family for t in REGISTRY]
+    families = [t.family for t in TECHNIQUES]
     assert len(families) == len(set(families)) == 17
 
 
 def test_a_dimension_belongs_to_one_technique(toy: ToyPad) -> None:
     with pytest.raises(ValueError, match="toy_pad"):
-        REGISTRY.register(ToyPad())
+        TECHNIQUES.register(ToyPad())
 
 
 def test_unregistered_the_dimension_is_unknown() -> None:

@@ -15,11 +15,11 @@ from autotune.export import UserSettings, deepspeed_config, export
 from autotune.runner import SubprocessRunner
 from autotune.study import StudySettings
 from tests.conftest import TINY, tiny_spec
+from trials.deepspeed_engine import ensure_distributed
 from trials.engines import DeepSpeedEngine
 from trials.job import build_model, run_trial
 from trials.memory import CpuMemoryMonitor
 from trials.spec import TrialResult
-from trials.zero import ensure_distributed
 
 #: small buckets: DeepSpeed's default 5e8-element bucket is a 2 GB buffer
 SMALL_BUCKETS = {"reduce_bucket_size": 500_000, "allgather_bucket_size": 500_000}

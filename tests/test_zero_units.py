@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 import torch
 
+from autotune.availability import Hardware, unavailable_reason
 from autotune.errors import UserError
-from autotune.hardware import Hardware, unavailable_reason
 from autotune.runner import merge_ranks
 from autotune.space import SearchSpace
 from tests.conftest import TINY, tiny_spec

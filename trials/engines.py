@@ -2,8 +2,8 @@
 
 ``torch``: the model as built, torch autocast/GradScaler and the optimizer of the config;
 ``DistributedDataParallel`` when torchrun started several ranks. ``deepspeed``: the real
-DeepSpeed engine with the config ``trials.zero.deepspeed_config`` builds (any ZeRO stage,
-offload). The trial job picks the row from the config (``engine_for``); no ``if`` chains.
+DeepSpeed engine with the config ``trials.deepspeed_engine.deepspeed_config`` builds (any ZeRO
+stage, offload). The trial job picks the row from the config (``engine_for``); no ``if`` chains.
 """
 
 from __future__ import annotations
@@ -19,18 +19,7 @@ from torch import nn
 from trials.build import build_model
 from trials.cuda import scaler_skipped
 from trials.data import Batch
-from trials.memory import MemoryMonitor, plain_tensors
-from trials.spec import TrialSpec
-from trials.techniques import OPTIMIZERS, PRECISIONS, REGISTRY, Run
-from trials.techniques.attention import attn_implementation
-from trials.techniques.fsdp import offloads_shards, runs_fsdp, shard
-from trials.techniques.micro_batch import micro_and_accumulation
-from trials.techniques.offload import offloads_optimizer, offloads_params
-from trials.techniques.optimizer import DS_OPTIMIZERS, optimizer_factory, optimizer_of
-from trials.techniques.optimizer_in_backward import InBackward, steps_in_backward
-from trials.techniques.precision import model_dtype, precision_of, pure_bf16, weight_dtype
-from trials.techniques.zero import partitions_params, runs_deepspeed
-from trials.zero import (
+from trials.deepspeed_engine import (
     deepspeed_config,
     device_buffers,
     ensure_distributed,
@@ -39,6 +28,17 @@ from trials.zero import (
     zero3_init,
     zero_roles,
 )
+from trials.memory import MemoryMonitor, plain_tensors
+from trials.spec import TrialSpec
+from trials.techniques import OPTIMIZERS, PRECISIONS, TECHNIQUES, Run
+from trials.techniques.attention import attn_implementation
+from trials.techniques.fsdp import offloads_shards, runs_fsdp, shard
+from trials.techniques.micro_batch import micro_and_accumulation
+from trials.techniques.offload import offloads_optimizer, offloads_params
+from trials.techniques.optimizer import DS_OPTIMIZERS, optimizer_factory, optimizer_of
+from trials.techniques.optimizer_in_backward import InBackward, steps_in_backward
+from trials.techniques.precision import model_dtype, precision_of, pure_bf16, weight_dtype
+from trials.techniques.zero import partitions_params, runs_deepspeed
 
 
 def world() -> tuple[int, int]:
@@ -96,7 +96,7 @@ class Engine(ABC):
         self.rank, self.world = world()
         # what the techniques' rules say cannot run (the search never proposes it; a config
         # given by hand is refused here with the rule's reason)
-        refused = REGISTRY.refusal(spec.config, self.accum)
+        refused = TECHNIQUES.refusal(spec.config, self.accum)
         if refused is not None:
             raise ValueError(refused)
 

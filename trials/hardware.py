@@ -1,7 +1,7 @@
 """What this machine can run, detected once, never assumed; injectable for tests.
 
 The techniques' requirements (``trials.techniques``: each choice's ``Knob.requires``) are checks
-on these facts; ``autotune.hardware`` applies them to a search space.
+on these facts; ``autotune.availability`` applies them to a search space.
 """
 
 from __future__ import annotations

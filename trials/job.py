@@ -34,7 +34,7 @@ from trials.extensions import clear_stale_locks
 from trials.lifeline import start_lifeline
 from trials.memory import MemoryMonitor, make_monitor
 from trials.spec import TrialResult, TrialSpec, rank_result_path
-from trials.techniques import REGISTRY
+from trials.techniques import TECHNIQUES
 from trials.techniques.attention import attn_implementation
 from trials.techniques.compile import compiles
 from trials.techniques.micro_batch import micro_and_accumulation
@@ -133,7 +133,7 @@ def run_trial(spec: TrialSpec) -> TrialResult:
             # peak is recorded apart
             model = build(spec, device, monitor)
             model.train()
-            model = REGISTRY.apply(model, cfg, device)
+            model = TECHNIQUES.apply(model, cfg, device)
             engine = ENGINES[engine_for(cfg)](model, spec, device, monitor)
             monitor.end_construction()  # construction's peak is kept apart from training's
             # compiled: the first steps compile (their time beyond a measured step's is the

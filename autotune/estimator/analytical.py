@@ -55,7 +55,7 @@ from autotune.estimator.states import (
 )
 from autotune.models import stats_of
 from trials.data import Documents, micro_shapes
-from trials.techniques import REGISTRY, setting
+from trials.techniques import TECHNIQUES, setting
 from trials.techniques.adapter import adapted_16bit, adapts
 from trials.techniques.fsdp import runs_fsdp
 from trials.techniques.micro_batch import micro_and_accumulation
@@ -160,7 +160,7 @@ class AnalyticalEstimator(Estimator):
             head_acts=head_acts,
             logit_tokens=tokens,
         )
-        REGISTRY.memory_terms(step)
+        TECHNIQUES.memory_terms(step)
         step.acts = step.kept + step.head_acts - step.head_on_host
         step.cache_in_fwd = weight_cache
         step.cache_in_bwd = weight_cache * (layers - step.n_ckpt) // max(1, layers)
@@ -176,7 +176,7 @@ class AnalyticalEstimator(Estimator):
             "end of backward": (grads, step.bwd_layers, 0, 0),
             "optimizer step": (grads, 0, 0, step.step_temps),
         }
-        REGISTRY.moment_terms(step)
+        TECHNIQUES.moment_terms(step)
         peak, where, breakdown = -1, "", {k: 0 for k in PARTS}
         for name, (g, a, lg, tmp) in step.moments.items():
             if step.held is not None:  # what the engine holds in this phase

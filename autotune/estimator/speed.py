@@ -79,7 +79,7 @@ from autotune.estimator.base import Estimate
 from autotune.estimator.gpus import GpuSpec
 from autotune.models import ModelStats, stats_of
 from trials.data import Documents, Shape, micro_shapes
-from trials.techniques import REGISTRY, setting
+from trials.techniques import TECHNIQUES, setting
 from trials.techniques.adapter import adapts, rank_of
 from trials.techniques.fsdp import RESHARD, fsdp_mode, offloads_shards
 from trials.techniques.micro_batch import micro_and_accumulation
@@ -301,8 +301,8 @@ def step_time(
         per_tensor_ops=TENSOR_STEP_OPS.get(optimizer, 0),
     )
     # recomputation, fused kernels, launches; then communication and host copies on top
-    REGISTRY.kernel_terms(step)
-    REGISTRY.speed_terms(step)
+    TECHNIQUES.kernel_terms(step)
+    TECHNIQUES.speed_terms(step)
     bwd = step.bwd
     psi = st.n_params
 

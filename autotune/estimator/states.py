@@ -270,7 +270,7 @@ def _ipg_bucket(config: dict[str, Any], stage: int, wbytes: int) -> int:
 def _stage3_knobs(config: dict[str, Any]) -> tuple[int, int, int]:
     """(max reuse distance, max live parameters, prefetch bucket) in elements: the trial's
     DeepSpeed config sets all three to ``reduce_bucket_size`` when the config has one
-    (``trials.zero.deepspeed_config``), else DeepSpeed's defaults."""
+    (``trials.deepspeed_engine.deepspeed_config``), else DeepSpeed's defaults."""
     if "reduce_bucket_size" in config:
         n = int(config["reduce_bucket_size"])
         return n, n, n

@@ -44,7 +44,7 @@ from autotune.estimator.states import (
 from autotune.models import stats_of
 from trials.data import Documents, Shape, micro_shapes
 from trials.memory import host_scope
-from trials.techniques import OPTIMIZERS, PRECISIONS, REGISTRY, setting
+from trials.techniques import OPTIMIZERS, PRECISIONS, TECHNIQUES, setting
 from trials.techniques.adapter import adapted_16bit, adapts
 from trials.techniques.compile import compiles
 from trials.techniques.fsdp import runs_fsdp
@@ -388,7 +388,7 @@ def trace_step(
                 fallback = 1
         balance_experts(model, model_config)
         model.train()
-        model = REGISTRY.apply_traced(model, config, torch.device("cpu"))
+        model = TECHNIQUES.apply_traced(model, config, torch.device("cpu"))
 
         def grad_ready(p: torch.Tensor) -> None:
             if p.grad is not None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from autotune.hardware import Hardware
+from autotune.availability import Hardware
 from autotune.space import SearchSpace
 from autotune.strategy import config_key
 from trials.techniques import is_exact

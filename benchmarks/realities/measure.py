@@ -35,7 +35,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from autotune.hardware import Hardware
+from autotune.availability import Hardware
 from autotune.runner import SubprocessRunner
 from autotune.space import SearchSpace
 from autotune.strategy import config_key

@@ -21,10 +21,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from autotune.availability import Hardware
 from autotune.estimator.gpus import gpu_spec
 from autotune.estimator.traced import TracedEstimator
-from autotune.hardware import Hardware
-from autotune.models import REGISTRY, stats_of
+from autotune.models import MODELS, stats_of
 from autotune.space import SearchSpace
 
 HERE = Path(__file__).resolve().parent
@@ -60,7 +60,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args()
-    entry = REGISTRY[MODEL]
+    entry = MODELS[MODEL]
     space = SearchSpace.load(SPACE).resolve(entry.global_batch_size, hardware())
     est = TracedEstimator()
     gpu = gpu_spec(GPU)

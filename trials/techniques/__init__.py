@@ -7,7 +7,7 @@ A trial config is a flat dict such as::
 
 Each key is a ``Knob`` of one ``Technique`` (``trials.techniques.base``); each technique module
 holds everything about its family: choices, plain value, fidelity classes, memory order,
-hardware requirements, how the job applies it and how it is exported. ``REGISTRY`` lists them in
+hardware requirements, how the job applies it and how it is exported. ``TECHNIQUES`` lists them in
 the order dimensions are shown and applied; the search space, the hardware checks, the
 strategy, the ladder, the selector, the exports and the job iterate over it.
 
@@ -53,7 +53,7 @@ __all__ = [
     "FIDELITY_CLASSES",
     "OPTIMIZERS",
     "PRECISIONS",
-    "REGISTRY",
+    "TECHNIQUES",
     "Choice",
     "Forbid",
     "Knob",
@@ -249,7 +249,7 @@ _BUILT_IN: list[Technique] = [
     buckets.TECHNIQUE,
     allocator.TECHNIQUE,
 ]
-REGISTRY = Registry(_BUILT_IN)
+TECHNIQUES = Registry(_BUILT_IN)
 
 
 def setting(config: Config, dimension: str, otherwise: Any = None) -> Any:
@@ -258,7 +258,7 @@ def setting(config: Config, dimension: str, otherwise: Any = None) -> Any:
     value = config.get(dimension)
     if value is not None:
         return value
-    knob = REGISTRY.knob(dimension)
+    knob = TECHNIQUES.knob(dimension)
     if knob is not None and knob.baseline is not None:
         return knob.baseline
     return otherwise
@@ -269,7 +269,7 @@ def setting(config: Config, dimension: str, otherwise: Any = None) -> Any:
 
 def choice_fidelity(dimension: str, choice: object) -> str:
     """The class one choice puts a configuration in (``exact`` when it changes no numerics)."""
-    return REGISTRY.fidelity(dimension, choice)
+    return TECHNIQUES.fidelity(dimension, choice)
 
 
 def fidelity_class(config: Config) -> str:
@@ -294,12 +294,12 @@ def classes_up_to(widest: str) -> tuple[str, ...]:
 def numerics_of(config: Config) -> dict[str, Any]:
     """The config's numerics-changing choices, with the plain (baseline) values filled in, and
     what a loss probe needs besides for them to take effect (``Knob.probe_needs``)."""
-    plain = REGISTRY.baseline()
+    plain = TECHNIQUES.baseline()
     numerics: dict[str, Any] = {
-        d: str(config.get(d, plain[d])) for d in REGISTRY.numerics_dimensions()
+        d: str(config.get(d, plain[d])) for d in TECHNIQUES.numerics_dimensions()
     }
     for dimension, choice in list(numerics.items()):
-        knob = REGISTRY.knob(dimension)
+        knob = TECHNIQUES.knob(dimension)
         if knob is not None:
             numerics.update(knob.probe_needs.get(choice, {}))
     return numerics

@@ -5,7 +5,7 @@ precision, ZeRO, ...). It owns one or more search dimensions (``Knob``: a config
 choices, the value that means "not used", the fidelity class of each choice, its memory order,
 what each choice needs of the hardware), and it says, in its own methods, how the trial job
 applies it and how it is exported. Nothing else in the project names a technique's choices:
-``trials.techniques.REGISTRY`` lists the techniques and every other part iterates over it (the
+``trials.techniques.TECHNIQUES`` lists the techniques and every other part iterates over it (the
 search space's known dimensions, the hardware checks, the strategy's pruning order, the ladder's
 baseline, "simplest wins", the fidelity classes, the exports, the job).
 
@@ -149,14 +149,15 @@ class Forbid:
 
 class Technique:
     """One family of training techniques. Subclass it, give ``family`` and ``knobs``, override
-    the hooks it needs, and register an instance in ``trials.techniques.REGISTRY``.
+    the hooks it needs, and register an instance in ``trials.techniques.TECHNIQUES``.
 
     The hooks, each neutral by default:
 
     * ``apply(model, config, device)``: the job calls it on the built model, in registry order,
       before the engine wraps it; returns the (possibly replaced) model;
     * ``deepspeed(config, run)``: its part of the DeepSpeed JSON (merged key by key into the
-      one config ``trials.zero.deepspeed_config`` builds, which both the job and the export use);
+      one config ``trials.deepspeed_engine.deepspeed_config`` builds, which both the job and the
+      export use);
     * ``training_arguments``, ``accelerate``, ``axolotl``: its keys in those exports;
     * ``companion``: its keys in ``<stem>.autotune.json``, what a training script needs that
       the config files cannot say (the model's ``attn_implementation``, the batch shape).

@@ -2,7 +2,7 @@
 frozen, with trainable LoRA adapters on top (peft), i.e. LoRA / QLoRA fine-tuning.
 
 ``quantization: none`` trains every weight in full precision (no adapters). The space offers
-``int8`` and ``nf4`` only where ``autotune.hardware`` finds CUDA, bitsandbytes and peft.
+``int8`` and ``nf4`` only where ``autotune.availability`` finds CUDA, bitsandbytes and peft.
 ``add_lora`` is the part that runs anywhere; the tests run it on a tiny model on the CPU.
 """
 

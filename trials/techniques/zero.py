@@ -1,7 +1,8 @@
 """ZeRO through the real DeepSpeed engine: ``zero_stage`` 0-3 shards optimizer states (1),
 gradients (2) and parameters (3) over the ranks; exact. Stage 0 is DeepSpeed without sharding.
 A config with a ``zero_stage`` runs the DeepSpeed engine (``trials.engines``); the DeepSpeed JSON
-is built in ``trials.zero.deepspeed_config`` from every technique's ``deepspeed`` part."""
+is built in ``trials.deepspeed_engine.deepspeed_config`` from every technique's ``deepspeed``
+part."""
 
 from __future__ import annotations
 

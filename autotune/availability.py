@@ -7,7 +7,7 @@ from collections.abc import Collection, Mapping
 from typing import TypeVar
 
 from trials.hardware import Hardware
-from trials.techniques import REGISTRY
+from trials.techniques import TECHNIQUES
 from trials.techniques.base import Choice
 
 __all__ = [
@@ -22,7 +22,7 @@ T = TypeVar("T")
 
 def dimension_unavailable_reason(hw: Hardware, dimension: str) -> str | None:
     """Why the whole dimension means nothing here (``Knob.requires_dimension``), or None."""
-    knob = REGISTRY.knob(dimension)
+    knob = TECHNIQUES.knob(dimension)
     check = knob.requires_dimension if knob is not None else None
     return check(hw) if check else None
 
@@ -32,7 +32,7 @@ def unavailable_reason(
 ) -> str | None:
     """Why ``dimension=choice`` can't run here (its technique's ``Knob.requires``, and
     ``requires_with`` when the space has that other dimension too), or None."""
-    knob = REGISTRY.knob(dimension)
+    knob = TECHNIQUES.knob(dimension)
     if knob is None:
         return None
     check = _lookup(knob.requires, choice)

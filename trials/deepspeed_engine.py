@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from trials.techniques import REGISTRY
+from trials.techniques import TECHNIQUES
 from trials.techniques.base import Config, Run, merge
 from trials.techniques.offload import offloads_optimizer, offloads_params, param_offload
 
@@ -38,7 +38,7 @@ def deepspeed_config(config: Config, run: Run) -> dict[str, Any]:
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
-    for technique in REGISTRY:
+    for technique in TECHNIQUES:
         merge(ds, technique.deepspeed(config, run))
     return ds
 
