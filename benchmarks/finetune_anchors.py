@@ -12,7 +12,7 @@ A row's configuration is checked against the estimate space (``search_spaces/est
 One the space does not propose is still priced, memory and speed, by the analytical estimator
 directly (the configuration as a trial or ``autotune estimate --config`` would run it), and says
 why the space leaves it out ("outside the estimate space"): LoRA on a bf16 base (the estimate
-space leaves the adapter dimensions out: its grid would be 13 times larger), pure bf16 on the
+space leaves the adapter dimensions out: they make its grid seven times larger), pure bf16 on the
 torch engine without compile or the step in backward (the space runs every other configuration
 under DeepSpeed or FSDP2, and DeepSpeed's stage 0 keeps fp32 masters), compile beside activation
 offloading (a space rule).
@@ -212,7 +212,7 @@ ROWS: list[Row] = [
         QLORA_8B,
         7.4,
         2413,
-        note="not compiled here",
+        note="not compiled here; embedding, head and norms fp32 here, bf16 in torchtune",
     ),
     *_rungs(),
 ]

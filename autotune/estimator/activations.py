@@ -5,7 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from autotune.estimator.states import adapter_shapes, model_in_16_bits
+from autotune.estimator.states import (
+    adapted_16bit,
+    adapter_shapes,
+    model_in_16_bits,
+    pure_outside_deepspeed,
+)
 from autotune.models import ModelStats
 from trials.techniques import setting
 from trials.techniques.checkpointing import saved_ops
@@ -92,7 +97,9 @@ def compiled_saving(st: ModelStats, config: dict[str, Any]) -> int:
     gated SiLU MLP, three projections, no dropout), measured with saved-tensor hooks on a
     compiled layer: fp32 two h-wide and one I-wide tensor (``4 (2h + I)``); under autocast three
     fp32 and two 16-bit h-wide, one 16-bit I-wide (``16h + 2I``), with sdpa and eager attention
-    alike. Other layouts are counted as eager (0: an over-estimate).
+    alike; a 16-bit model (pure bf16, DeepSpeed's) ``8h + 2I`` (the norms' fp32 upcasts and
+    the 16-bit residual, normalised copy and SiLU(gate)). Other layouts are counted as eager
+    (0: an over-estimate).
     """
     llama = (
         st.norm == "rms"
@@ -106,9 +113,11 @@ def compiled_saving(st: ModelStats, config: dict[str, Any]) -> int:
         and not st.qk_norm
         and not st.shared_norm_input
     )
-    if not compiles(config) or not llama or model_in_16_bits(config):
+    if not compiles(config) or not llama:
         return 0
     h, i = st.hidden, st.intermediate
+    if model_in_16_bits(config):  # adapters' layers were not measured: counted as eager
+        return 8 * h + 2 * i if pure_outside_deepspeed(config) and not adapted_16bit(config) else 0
     autocast = setting(config, "precision") in ("bf16", "fp16")
     return 16 * h + 2 * i if autocast else 4 * (2 * h + i)
 
