@@ -202,6 +202,19 @@ class Registry:
         for technique in self._techniques:
             technique.moments(step)
 
+    def priced_as(self, config: Config) -> Config:
+        """The configuration the roofline prices for ``config`` (``Technique.priced_as``, in
+        order)."""
+        for technique in self._techniques:
+            config = technique.priced_as(config)
+        return config
+
+    def operator_terms(self, step: SpeedStep) -> None:
+        """Every technique's change to plain training's operators, in order
+        (``Technique.operators``)."""
+        for technique in self._techniques:
+            technique.operators(step)
+
     def kernel_terms(self, step: SpeedStep) -> None:
         """Every technique's change to a micro-batch's kernels, in order
         (``Technique.kernels``)."""

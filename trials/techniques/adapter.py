@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from trials.hardware import Hardware
+    from trials.techniques.terms import SpeedStep
 
 ADAPTERS = ("none", "lora", "dora")
 LORA_RANKS = (4, 8, 16, 32, 64, 128)
@@ -92,6 +93,18 @@ def adapted_shapes(
     return shapes, sum(out for out, _ in shapes)
 
 
+def freeze_base(step: SpeedStep) -> None:
+    """A frozen base under adapters (LoRA, DoRA, QLoRA's): the matmuls compute no weight
+    gradient, and the optimizer steps an A and a B of the config's rank per adapted linear
+    (seven per layer)."""
+    st = step.stats
+    step.frozen = True
+    step.trainable = (
+        2 * rank_of(step.config) * (st.layers * (st.layer_matrix_params // max(1, st.hidden)) + 1)
+    )
+    step.tensors = 2 * st.layers * 7
+
+
 def _needs_peft(hw: Hardware) -> str | None:
     return None if hw.has_peft else "peft is not installed (pip install peft)"
 
@@ -127,6 +140,10 @@ class Adapter(Technique):
             "an adapter or QLoRA's quantized base (which has its own adapters), not both",
         ),
     )
+
+    def operators(self, step: SpeedStep) -> None:
+        if adapts(step.config):
+            freeze_base(step)
 
     def apply(self, model: nn.Module, config: Config, device: torch.device) -> nn.Module:
         if not adapts(config):

@@ -201,6 +201,17 @@ class Technique:
         replaces or removes in ``step.moments``, and what the model states hold at each
         (``step.held``)."""
 
+    def priced_as(self, config: Config) -> Config:
+        """The configuration whose costs the roofline prices in place of ``config`` (a
+        technique that moves the bytes another's choice does: FSDP2 as a ZeRO stage); applied
+        in registry order before the speed terms."""
+        return config
+
+    def operators(self, step: SpeedStep) -> None:
+        """What plain training's operators become (first pass of the speed terms, before the
+        matmuls are priced): the weights a matmul reads, a frozen base, the attention kernel,
+        dequantisation, and the optimizer step's bytes, values and tensors."""
+
     def kernels(self, step: SpeedStep) -> None:
         """How it changes what a micro-batch runs (first pass of the speed terms):
         recomputation, fused element-wise work, launches."""

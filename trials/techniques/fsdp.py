@@ -170,6 +170,20 @@ class Fsdp(Technique):
             },
         }
 
+    def priced_as(self, config: Config) -> Config:
+        # FSDP2's traffic priced as the ZeRO stage that moves the same bytes: full_shard
+        # gathers each block in forward and again in backward and reduce-scatters its gradients
+        # (stage 3's volume, 1.5x DDP's all-reduce); shard_grad_op gathers once per step (stage
+        # 2's); ``fsdp_offload`` keeps the shards on the host and steps there (ZeRO-Offload's
+        # PCIe copies and host step, at the same bytes though torch's AdamW runs there, not
+        # DeepSpeed's AVX Adam)
+        if not runs_fsdp(config):
+            return config
+        out = {**config, "zero_stage": 3 if RESHARD[fsdp_mode(config)] else 2}
+        if offloads_shards(config):
+            out.update(offload_optimizer="cpu", offload_param="cpu")
+        return out
+
     def moments(self, step: MemoryStep) -> None:
         # the first block's backward (the last recomputed) apart from the root's gradients
         # reduced at the very end, when no activation is left; a rank's shards and what it

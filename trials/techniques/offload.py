@@ -98,6 +98,10 @@ class Offload(Technique):
             zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
         return {"zero_optimization": zero} if zero else {}
 
+    def operators(self, step: SpeedStep) -> None:
+        if offloads_optimizer(step.config):  # the host steps (its seconds: ``speed``)
+            step.optimizer_on_device = False
+
     def speed(self, step: SpeedStep) -> None:
         # offloaded optimizer: 16-bit gradients to the host over PCIe, copied out in the
         # reduction hooks on the compute stream every micro-batch (``stage_1_and_2.py``:

@@ -15,10 +15,12 @@ import torch
 from torch import nn
 
 from trials.hardware import needs_bitsandbytes
+from trials.techniques.adapter import freeze_base
 from trials.techniques.base import Config, Forbid, Knob, Run, Technique
 
 if TYPE_CHECKING:
     from trials.hardware import Hardware
+    from trials.techniques.terms import SpeedStep
 
 #: LoRA on every linear layer but the output head (QLoRA's recipe, Dettmers et al. 2023)
 LORA_RANK = 8
@@ -30,6 +32,8 @@ LORA_ALPHA = 16
 #: 4.127 bits, the QLoRA paper's figure, section 3); the analytical estimator's terms
 WEIGHT_BYTES = {"int8": 1.0, "nf4": (4 + 8 / 64 + 32 / (64 * 256)) / 8}
 ROW_SCALE_BYTES = {"int8": 4, "nf4": 0}
+#: bytes per weight the roofline's dequantisation pass reads (any other base: 1)
+DEQUANT_READ_BYTES = {"int8": 1.0, "nf4": 0.53}
 
 
 def add_lora(model: nn.Module, rank: int = LORA_RANK, alpha: int = LORA_ALPHA) -> nn.Module:
@@ -200,6 +204,18 @@ class Quantization(Technique):
             "ZeRO-3 does not partition bitsandbytes' quantized weights",
         ),
     )
+
+    def operators(self, step: SpeedStep) -> None:
+        # the weights dequantised to 16 bits before every use, forward and backward (a
+        # memory-bound pass over the linears', not the experts', each time: read and write),
+        # which the matmuls then read; the base frozen under its adapters
+        quant = str(step.config.get("quantization", "none"))
+        if quant == "none":
+            return
+        qbytes = DEQUANT_READ_BYTES.get(quant, 1.0)
+        step.weight_bytes = 2
+        step.dequant = 2 * (qbytes + 2) * step.stats.linear_params / step.hbm
+        freeze_base(step)
 
     def apply(self, model: nn.Module, config: Config, device: torch.device) -> nn.Module:
         return QUANTIZATION[str(config.get("quantization", "none"))](model, device)

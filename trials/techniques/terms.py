@@ -130,14 +130,21 @@ class MemoryStep:
 @dataclass
 class SpeedStep:
     """One step's seconds on one GPU as the roofline (``autotune.estimator.speed``) prices
-    plain training, per micro-batch unless said otherwise. Two passes of the terms, in registry
-    order: ``Technique.kernels`` changes what a micro-batch runs (``recompute_share`` and
-    ``recompute_compute``: the forward run again in backward; ``elementwise_passes``: fused
-    element-wise work; ``ops_factor``: the operators launched; ``per_tensor_ops``: launches per
-    parameter tensor of the optimizer step), after which the forward and backward times are
-    final; ``Technique.speed`` adds what overlaps them or comes on top (``comm_micro_exposed``,
-    ``comm_step``: communication not hidden; ``offload``: host copies and a host step, per step;
-    ``activation_copies``: activations to the host and back, per step)."""
+    plain training, per micro-batch unless said otherwise. Three passes of the terms, in
+    registry order: ``Technique.operators`` changes what plain training's operators are
+    (``weight_bytes`` a matmul reads per weight, a ``frozen`` base without weight gradients,
+    the attention kernel's ``attn_fwd``/``attn_bwd``, ``dequant``: weights dequantised per use)
+    and the optimizer step's work (``step_bytes`` per parameter, ``trainable`` values and
+    ``tensors`` stepped, ``per_tensor_ops``, ``flat_partitions``, ``optimizer_on_device``), after
+    which the estimator prices the matmuls (``fwd_mm``, ``bwd_mm``); ``Technique.kernels``
+    changes what a micro-batch runs (``recompute_share`` and ``recompute_compute``: the forward
+    run again in backward; ``elementwise_passes``: fused element-wise work; ``ops_factor``: the
+    operators launched; ``per_tensor_ops``: launches per parameter tensor of the optimizer
+    step), after which the forward and backward times are final; ``Technique.speed`` adds what
+    overlaps them or comes on top (``comm_micro_exposed``, ``comm_step``: communication not
+    hidden; ``offload``: host copies and a host step, per step; ``activation_copies``:
+    activations to the host and back, per step; ``optimizer_extra``: the step's own extra
+    passes)."""
 
     config: Config
     stats: Any  # autotune.models.ModelStats
@@ -153,14 +160,32 @@ class SpeedStep:
     pcie: float  # host link bytes/s reached
     link: float  # GPU-to-GPU bytes/s reached by the collectives
     layer_act_bytes: int  # what one layer keeps for backward
-    fwd_mm: float
-    bwd_mm: float
-    attn_fwd: float
-    attn_bwd: float
-    dequant: float  # forward and backward
     elementwise_passes: float
     offloaded_activations: int  # bytes per micro-batch moved to the host and back
-    # --- first pass: the kernels -----------------------------------------------------------
+    #: the data has variable-length rows (packed or padded: attention is given a mask)
+    documents: bool
+    mm_params: int  # the matmuls' weights a token meets (the linears, the LM head)
+    #: the attention products' forward FLOPs, every score computed (QK^T and PV)
+    attn_flops: float
+    #: the attention products as plain math (every score computed, backward twice the
+    #: forward) until a kernel's term replaces them
+    attn_fwd: float
+    attn_bwd: float
+    weight_bytes: int  # a matmul's bytes read per weight
+    trainable: int  # values the optimizer steps on this GPU
+    tensors: int  # tensors the optimizer steps
+    # --- first pass: the operators ----------------------------------------------------------
+    #: the base's weights take no gradient (only the inputs' gradients are computed)
+    frozen: bool = False
+    dequant: float = 0.0  # forward and backward
+    step_bytes: int = 0  # bytes per trainable value the optimizer's step moves on the device
+    #: the step runs over flat partitions (one launch per partition, not per tensor)
+    flat_partitions: bool = False
+    optimizer_on_device: bool = True
+    # --- the matmuls, priced once the operators are known ----------------------------------
+    fwd_mm: float = 0.0
+    bwd_mm: float = 0.0
+    # --- second pass: the kernels ----------------------------------------------------------
     recompute_share: float = 0.0
     recompute_compute: float = 0.0
     ops_factor: float = 1.0
@@ -170,6 +195,7 @@ class SpeedStep:
     comm_step: float = 0.0
     offload: float = 0.0
     activation_copies: float = 0.0
+    optimizer_extra: float = 0.0  # seconds the optimizer's step spends beyond its bytes
 
     @property
     def elementwise(self) -> float:

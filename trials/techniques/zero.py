@@ -43,6 +43,16 @@ class Zero(Technique):
     def deepspeed(self, config: Config, run: Run) -> dict[str, Any]:
         return {"zero_optimization": {"stage": zero_stage(config)}}
 
+    def operators(self, step: SpeedStep) -> None:
+        # stages 1-3 step this rank's shard of the states, over DeepSpeed's flat partitions,
+        # and write the 16-bit copy of the updated weights
+        if zero_stage(step.config) < 1:
+            return
+        step.trainable = step.stats.n_params // step.nproc
+        step.flat_partitions = True
+        if step.half:
+            step.step_bytes += 2
+
     def speed(self, step: SpeedStep) -> None:
         # communication over the GPUs' link, ring algorithms: stage 0 (and data parallelism
         # without DeepSpeed) all-reduces fp32 gradients once per step, overlapped with
