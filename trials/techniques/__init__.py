@@ -45,7 +45,7 @@ from trials.techniques.base import FIDELITY_CLASSES, Choice, Config, Forbid, Kno
 from trials.techniques.checkpointing import CHECKPOINTING
 from trials.techniques.optimizer import OPTIMIZERS
 from trials.techniques.precision import PRECISIONS
-from trials.techniques.terms import MemoryStep, SpeedStep
+from trials.techniques.terms import TRACED_STATES, MemoryStep, SpeedStep, TraceStep
 
 __all__ = [
     "ATTENTION",
@@ -226,6 +226,21 @@ class Registry:
         (``Technique.speed``)."""
         for technique in self._techniques:
             technique.speed(step)
+
+    def traced_terms(self, step: TraceStep) -> None:
+        """Every technique's combination with the traced step, in order: the states
+        (``Technique.traced_states``), then the activations (``traced_activations``)."""
+        for technique in self._techniques:
+            technique.traced_states(step)
+        if not step.taken and step.states.replaces_trace:
+            # the trace's one unsharded process: its model states swapped for the formula's
+            for k in TRACED_STATES:
+                step.peak += step.states.parts[k] - step.breakdown[k]
+                step.breakdown[k] = step.states.parts[k]
+        if step.taken or step.states.replaces_trace:
+            step.notes.extend(step.states.notes)
+        for technique in self._techniques:
+            technique.traced_activations(step)
 
     def environment(self, config: Config, inherited: dict[str, str]) -> dict[str, str]:
         """Every technique's environment variables for a CUDA trial (``Technique.environment``)."""

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from trials.hardware import Hardware
-    from trials.techniques.terms import MemoryStep, SpeedStep
+    from trials.techniques.terms import MemoryStep, SpeedStep, TraceStep
 
 Choice = str | int | float | bool
 Config = Mapping[str, Any]
@@ -219,6 +219,15 @@ class Technique:
     def speed(self, step: SpeedStep) -> None:
         """Its seconds on top of the micro-batches' (second pass): communication, host
         copies, a host step."""
+
+    def traced_states(self, step: TraceStep) -> None:
+        """The model states the traced estimator's one unsharded process could not hold
+        (first pass): which of the trace's moments to take and the formula's states beside
+        it; ``step.taken`` once done."""
+
+    def traced_activations(self, step: TraceStep) -> None:
+        """What the traced estimator's fake step kept that the real one does not, or the
+        reverse (second pass): ``step.peak``, ``step.breakdown`` and a note."""
 
     def environment(self, config: Config, inherited: Mapping[str, str]) -> dict[str, str]:
         """Environment variables the trial's processes need from their start on CUDA (the

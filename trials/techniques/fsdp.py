@@ -22,12 +22,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from trials.techniques.base import Config, Forbid, Knob, Run, Technique
+from trials.techniques.cross_entropy import is_chunked
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from trials.techniques.terms import MemoryStep
+    from trials.techniques.terms import MemoryStep, TraceStep
 
 #: fsdp choice -> reshard_after_forward
 RESHARD = {"full_shard": True, "shard_grad_op": False}
@@ -199,6 +200,33 @@ class Fsdp(Technique):
             )
 
         step.held = held
+
+    def traced_states(self, step: TraceStep) -> None:
+        # the trace ran one unsharded process. Its activations and logits at the first
+        # gradient hook (the start of backward) beside what a rank holds then (``fsdp_held``:
+        # shards, gathered parameters, the head's gradient), unless a moment with no
+        # activation left (the end of backward's reductions, the step) holds more (in backward
+        # before that hook too: the logits' gradients) (chunked cross-entropy: at the hook
+        # only, the head's gradient being ``fsdp_held``'s beside the slices' logits)
+        if not runs_fsdp(step.config) or step.taken:
+            return
+        step.taken = True
+        prefixes = ("first_hook:",) if is_chunked(step.config) else ("bwd:", "first_hook:")
+        hook_peak, hook = max((step.net(prefix) for prefix in prefixes), key=lambda net: net[0])
+
+        def held(moment: str) -> dict[str, int]:
+            return step.formulas.fsdp_held(
+                step.stats, step.config, step.nproc, moment, step.accum, step.cuda
+            )
+
+        start = held("start of backward")
+        peak = hook_peak + sum(start.values())
+        breakdown = {**hook, **start, "temporaries": hook["temporaries"] + start["temporaries"]}
+        for moment in ("end of backward", "optimizer step"):
+            alone = held(moment)
+            if sum(alone.values()) > peak:
+                peak, breakdown = sum(alone.values()), {**dict.fromkeys(step.roles, 0), **alone}
+        step.peak, step.breakdown = peak, {k: breakdown.get(k, 0) for k in step.roles}
 
     def companion(self, config: Config, run: Run) -> dict[str, Any]:
         return {

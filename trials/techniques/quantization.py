@@ -20,7 +20,7 @@ from trials.techniques.base import Config, Forbid, Knob, Run, Technique
 
 if TYPE_CHECKING:
     from trials.hardware import Hardware
-    from trials.techniques.terms import SpeedStep
+    from trials.techniques.terms import SpeedStep, TraceStep
 
 #: LoRA on every linear layer but the output head (QLoRA's recipe, Dettmers et al. 2023)
 LORA_RANK = 8
@@ -216,6 +216,16 @@ class Quantization(Technique):
         step.weight_bytes = 2
         step.dequant = 2 * (qbytes + 2) * step.stats.linear_params / step.hbm
         freeze_base(step)
+
+    def traced_activations(self, step: TraceStep) -> None:
+        # the trace trains the base weights, so autocast kept 16-bit copies of them; frozen
+        # quantized weights are dequantized per use instead
+        if not step.states.frozen_copies:
+            return
+        cut = min(step.states.frozen_copies, step.breakdown["activations"])
+        step.breakdown["activations"] -= cut
+        step.peak -= cut
+        step.notes.append("16-bit copies of the (frozen, quantized) base weights removed")
 
     def apply(self, model: nn.Module, config: Config, device: torch.device) -> nn.Module:
         return QUANTIZATION[str(config.get("quantization", "none"))](model, device)

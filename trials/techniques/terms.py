@@ -44,6 +44,11 @@ class Formulas(Protocol):
         """What an FSDP2 rank holds by role at a moment."""
         ...
 
+    def adapter_activation_bytes(self, st: Any, config: Config, tokens: int) -> int:
+        """What LoRA/DoRA adapters keep for backward beside (or spare of) their frozen base's
+        activations, over ``tokens`` positions."""
+        ...
+
 
 @dataclass
 class MemoryStep:
@@ -221,3 +226,47 @@ class SpeedStep:
             + self.recompute_compute
             + self.recompute_memory
         )
+
+
+#: the model states of the traced estimator's one unsharded process
+TRACED_STATES = ("parameters", "gradients", "optimizer_states")
+
+
+@dataclass
+class TraceStep:
+    """The traced estimator's peak (``autotune.estimator.traced``): one unsharded fake process
+    ran the step, and the terms combine its trace with what it cannot run. ``parts``: the
+    trace's figures by role at its peak (no prefix), at the peak after a backward pass's first
+    gradient hook (``hook:``), at that hook (``first_hook:``) and in backward before it
+    (``bwd:``). Two passes, in registry order: ``Technique.traced_states`` takes the model
+    states the one process could not hold (ZeRO's, FSDP2's shards, adapters over a frozen base)
+    from the formulas beside the trace's moment they meet, and says so (``taken``; else the
+    estimator swaps the trace's states for the formula's where ``states.replaces_trace``);
+    ``Technique.traced_activations`` corrects what the fake step kept that the real one does
+    not (or the reverse)."""
+
+    config: Config
+    stats: Any  # autotune.models.ModelStats
+    formulas: Formulas
+    states: Any  # autotune.estimator.states.ModelStates
+    nproc: int
+    accum: int
+    cuda: bool
+    tokens: int  # the largest micro-batch's positions
+    parts: Mapping[str, int]
+    roles: tuple[str, ...]  # the breakdown's roles (``autotune.estimator.base.PARTS``)
+    peak: int
+    breakdown: dict[str, int]
+    notes: list[str]
+    #: the analytical estimator's peak for a config of the same workload
+    analytical_peak: Callable[[Config], int]
+    taken: bool = False
+
+    def net(self, prefix: str = "") -> tuple[int, dict[str, int]]:
+        """A traced peak (``prefix`` as in ``parts``) and its breakdown, less the trace's
+        model states."""
+        breakdown = {k: self.parts[prefix + k] for k in self.roles}
+        peak = self.parts[prefix + "peak"]
+        for k in TRACED_STATES:
+            peak -= breakdown.pop(k)
+        return peak, breakdown
