@@ -83,8 +83,9 @@ from autotune.estimator.base import Estimate
 from autotune.estimator.gpus import GpuSpec
 from autotune.models import ModelStats, stats_of
 from trials.data import Documents, Shape, micro_shapes
-from trials.techniques import TECHNIQUES, setting
+from trials.techniques import TECHNIQUES
 from trials.techniques.micro_batch import micro_and_accumulation
+from trials.techniques.precision import computes_in_16_bits, precision_of
 from trials.techniques.terms import SpeedStep
 
 #: fraction of the dense tensor-core (or fp32) peak that training's GEMMs reach, per GPU
@@ -174,8 +175,8 @@ def step_time(
     ``clip``: gradients clipped by norm before the step. Paged optimizer states' migration is
     added where the budget is known (``autotune.estimator.paging.apply_budget``)."""
     config = dict(TECHNIQUES.priced_as(config))
-    precision = str(setting(config, "precision"))
-    half = precision in ("bf16", "fp16")
+    precision = precision_of(config)
+    half = computes_in_16_bits(config)
     wbytes = 2 if half else 4
     peak = gpu.flops_per_s(precision) * matmul_efficiency(gpu)
     hbm = gpu.hbm_gbps * GB * HBM_EFFICIENCY
@@ -278,7 +279,7 @@ def roofline(
     ``documents``: variable-length data, timed at a typical micro-batch (only its real tokens
     count)."""
     st = stats_of(model_cfg)
-    micro = int(setting(config, "micro_batch_size", global_batch_size))
+    micro, _ = micro_and_accumulation(config, global_batch_size, strict=False)
     shape = None
     if documents is not None:
         shape = micro_shapes(config, seq_len, global_batch_size, documents, nproc)[1]

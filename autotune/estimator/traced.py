@@ -476,20 +476,8 @@ class TracedEstimator(Estimator):
     ) -> dict[str, int]:
         # Only what the single fake process runs matters for the trace: ZeRO and offload are
         # applied afterwards, and a quantized model traces as its 16-bit LoRA-free self.
-        traced_cfg = {
-            k: v
-            for k, v in config.items()
-            if k
-            not in (
-                "zero_stage",
-                "offload_optimizer",
-                "offload_param",
-                "quantization",
-                "adapter",
-                "lora_rank",
-                "lora_targets",
-            )
-        }
+        untraced = TECHNIQUES.untraced()
+        traced_cfg = {k: v for k, v in config.items() if k not in untraced}
         if adapted_16bit(config):
             # adapters over a 16-bit base trace as the 16-bit model (peft's modules can't be
             # moved between dtypes on fake tensors); their own activations are added after

@@ -227,6 +227,11 @@ class Registry:
         for technique in self._techniques:
             technique.speed(step)
 
+    def untraced(self) -> frozenset[str]:
+        """The dimensions the traced estimator's fake process does not run
+        (``Technique.untraced``)."""
+        return frozenset(d for technique in self._techniques for d in technique.untraced)
+
     def traced_terms(self, step: TraceStep) -> None:
         """Every technique's combination with the traced step, in order: the states
         (``Technique.traced_states``), then the activations (``traced_activations``)."""

@@ -111,6 +111,7 @@ def _needs_peft(hw: Hardware) -> str | None:
 
 class Adapter(Technique):
     family = "adapter"
+    untraced = ("adapter", "lora_rank", "lora_targets")  # by formula beside the trace
     knobs = (
         Knob(
             "adapter",

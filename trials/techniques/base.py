@@ -170,6 +170,9 @@ class Technique:
     #: whether the traced estimator applies it too (``autotune.estimator.traced``: a step under
     #: ``FakeTensorMode``, where only what works on fake tensors can run)
     traced: bool = False
+    #: its dimensions the traced estimator's one fake process does not run: their accounting
+    #: is by formula (``traced_states``), and the trace is shared by every choice of them
+    untraced: tuple[str, ...] = ()
 
     def apply(self, model: nn.Module, config: Config, device: torch.device) -> nn.Module:
         return model

@@ -52,6 +52,7 @@ def param_offload(ds_config: Mapping[str, Any]) -> Mapping[str, Any] | None:
 
 class Offload(Technique):
     family = "offload"
+    untraced = ("offload_optimizer", "offload_param")  # by formula beside the trace
     knobs = (
         Knob(
             "offload_optimizer",

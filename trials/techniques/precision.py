@@ -44,6 +44,11 @@ def precision_of(config: Config) -> str:
     return str(config.get("precision", "fp32"))
 
 
+def computes_in_16_bits(config: Config) -> bool:
+    """bf16 or fp16 compute (autocast, or a 16-bit model)."""
+    return PRECISIONS[precision_of(config)].autocast_dtype is not None
+
+
 def weight_dtype(precision: str) -> torch.dtype:
     """The dtype DeepSpeed trains the model's own weights in (its fp32 master copy apart)."""
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)

@@ -183,6 +183,7 @@ AXOLOTL_LORA = {
 
 class Quantization(Technique):
     family = "quantization"
+    untraced = ("quantization",)  # by formula beside the trace
     knobs = (
         Knob(
             "quantization",

@@ -30,6 +30,7 @@ def partitions_params(config: Config) -> bool:
 
 class Zero(Technique):
     family = "zero"
+    untraced = ("zero_stage",)  # by formula beside the trace
     knobs = (
         Knob(
             "zero_stage",
