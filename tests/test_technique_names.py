@@ -30,11 +30,8 @@ EXEMPT = (
     "autotune/estimator/states.py",
     "autotune/estimator/activations.py",
     "autotune/estimator/paging.py",
-    # the inputs of the analytical step (the model in 16 bits, pure bf16, a frozen or
-    # quantized base, DeepSpeed's engine, the largest trainable tensor) and the traced
-    # estimator's fake step (the attention kernel it can build, the optimizer it can run, the
-    # step in backward, packed rows, the flags its cache key carries)
-    "autotune/estimator/analytical.py",
+    # the traced estimator's fake step: the attention kernel it can build, the optimizer it
+    # can run, the precision it builds the model in
     "autotune/estimator/traced.py",
 )
 LOOKUPS = ("get", "pop", "setdefault")

@@ -55,11 +55,13 @@ from autotune.estimator.states import (
 )
 from autotune.models import stats_of
 from trials.data import Documents, micro_shapes
-from trials.techniques import TECHNIQUES, setting
+from trials.techniques import TECHNIQUES
 from trials.techniques.adapter import adapted_16bit, adapts
 from trials.techniques.fsdp import runs_fsdp
 from trials.techniques.micro_batch import micro_and_accumulation
 from trials.techniques.optimizer import step_choice
+from trials.techniques.precision import computes_in_16_bits
+from trials.techniques.quantization import quantizes
 from trials.techniques.terms import MemoryStep
 
 
@@ -84,7 +86,7 @@ class AnalyticalEstimator(Estimator):
         big = micro_shapes(config, seq_len, global_batch_size, documents, nproc)[0]
         micro, length = big.rows, big.length
         tokens = micro * length
-        half = setting(config, "precision") in ("bf16", "fp16")
+        half = computes_in_16_bits(config)
         deepspeed = deepspeed_states(config)
         fsdp = runs_fsdp(config)
         # the model itself in 16 bits (DeepSpeed's engine; FSDP2's mixed-precision policy; pure
@@ -101,7 +103,7 @@ class AnalyticalEstimator(Estimator):
         layer_linear = st.layer_matrix_params + st.expert_params
         linear_params = layer_linear * layers
         head_params = vocab * h
-        quantized = str(setting(config, "quantization") or "none") != "none"
+        quantized = quantizes(config)
         # frozen quantized weights are dequantized per use, not kept as 16-bit copies
         cached_params = head_params + (0 if quantized else linear_params)
         weight_cache = 2 * cached_params if half and not model16 else 0

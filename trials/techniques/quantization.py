@@ -142,6 +142,11 @@ def _quantized(
     return apply
 
 
+def quantizes(config: Config) -> bool:
+    """A quantized frozen base (int8 or nf4) with LoRA adapters."""
+    return str(config.get("quantization") or "none") != "none"
+
+
 def builds_on_host(config: Config) -> bool:
     """Quantized runs build the full-precision model in host memory: bitsandbytes quantizes the
     weights as they move to the GPU, so the device never holds a full-precision copy."""
