@@ -30,9 +30,6 @@ EXEMPT = (
     "autotune/estimator/states.py",
     "autotune/estimator/activations.py",
     "autotune/estimator/paging.py",
-    # the traced estimator's fake step: the attention kernel it can build, the optimizer it
-    # can run, the precision it builds the model in
-    "autotune/estimator/traced.py",
 )
 LOOKUPS = ("get", "pop", "setdefault")
 ACCESSOR = "setting"

@@ -40,12 +40,19 @@ from trials.data import Documents, Shape, micro_shapes
 from trials.memory import host_scope
 from trials.techniques import OPTIMIZERS, PRECISIONS, TECHNIQUES, setting
 from trials.techniques.adapter import adapted_16bit
+from trials.techniques.attention import attn_implementation
 from trials.techniques.fsdp import runs_fsdp
 from trials.techniques.micro_batch import micro_and_accumulation
-from trials.techniques.optimizer import STOCHASTIC_ADAMW, TORCHAO_BLOCK, torchao_quantizes
+from trials.techniques.optimizer import (
+    STOCHASTIC_ADAMW,
+    TORCHAO_BLOCK,
+    optimizer_of,
+    step_choice,
+    torchao_quantizes,
+)
 from trials.techniques.optimizer_in_backward import InBackward, steps_in_backward
 from trials.techniques.packing import packs
-from trials.techniques.precision import pure_bf16, stochastic_rounding
+from trials.techniques.precision import precision_of, pure_bf16
 from trials.techniques.terms import TraceStep
 
 #: the tag of storages made in host memory (offloaded activations): not on the traced device
@@ -340,15 +347,15 @@ def trace_step(
     # Micro-batches after the second repeat the second one's memory exactly (gradients already
     # allocated, same activations), so two stand for any accumulation count.
     accum = min(2, accum)
-    precision = PRECISIONS[setting(config, "precision")]
+    precision = PRECISIONS[precision_of(config)]
     deepspeed = deepspeed_states(config)
     # pure bf16 outside DeepSpeed: the model built in bf16, no autocast (as DeepSpeed's 16 bits)
     model16 = deepspeed or pure_bf16(config) or bool(setting(config, "model16"))
     # FSDP2 computes on 16-bit copies of its shards (its mixed-precision policy): the model
     # runs in 16 bits as DeepSpeed's does
     model16 = model16 or runs_fsdp(config)
-    opt_name = str(setting(config, "optimizer"))
-    if opt_name == "adamw" and stochastic_rounding(config) and not deepspeed:
+    opt_name = optimizer_of(config)
+    if step_choice(config) is STOCHASTIC_ADAMW and not deepspeed:
         opt_name = "stochastic_adamw"
     vocab = int(model_config["vocab_size"])
     tracker = PhaseTracker()
@@ -357,7 +364,7 @@ def trace_step(
         tracker,
         host_scope(tracker.host_allocations),
     ):
-        attention = str(setting(config, "attention"))
+        attention = attn_implementation(config)
         # DeepSpeed's engine runs the model in 16 bits: build it so (``model.to(dtype)`` can't
         # swap parameters under fake tensors)
         dtype = precision.autocast_dtype if model16 else None
@@ -541,13 +548,13 @@ class TracedEstimator(Estimator):
             )
         if parts.get("eager_fallback"):
             notes.append(
-                f"transformers cannot build this model with {setting(config, 'attention')}: traced "
-                "with eager attention (s x s scores kept)"
+                f"transformers cannot build this model with {attn_implementation(config)}: "
+                "traced with eager attention (s x s scores kept)"
             )
-        elif str(setting(config, "attention")) in TRACED_ATTENTION:
+        elif attn_implementation(config) in TRACED_ATTENTION:
             notes.append(
-                f"{config['attention']} (CUDA only) traced as "
-                f"{TRACED_ATTENTION[str(config['attention'])]}, which keeps the same tensors"
+                f"{attn_implementation(config)} (CUDA only) traced as "
+                f"{TRACED_ATTENTION[attn_implementation(config)]}, which keeps the same tensors"
             )
         _, accum = micro_and_accumulation(config, global_batch_size, strict=False)
         states = estimator_states(model_config, config, nproc, global_batch_size, gpu)
