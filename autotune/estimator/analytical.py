@@ -56,8 +56,7 @@ from autotune.estimator.states import (
 from autotune.models import stats_of
 from trials.data import Documents, micro_shapes
 from trials.techniques import TECHNIQUES
-from trials.techniques.adapter import adapted_16bit, adapts
-from trials.techniques.fsdp import runs_fsdp
+from trials.techniques.adapter import adapts
 from trials.techniques.micro_batch import micro_and_accumulation
 from trials.techniques.optimizer import step_choice
 from trials.techniques.precision import computes_in_16_bits
@@ -88,13 +87,11 @@ class AnalyticalEstimator(Estimator):
         tokens = micro * length
         half = computes_in_16_bits(config)
         deepspeed = deepspeed_states(config)
-        fsdp = runs_fsdp(config)
-        # the model itself in 16 bits (DeepSpeed's engine; FSDP2's mixed-precision policy; pure
-        # bf16, built in bf16): no autocast copies of the weights, a 16-bit residual stream and
-        # logits
+        # the model itself in 16 bits (each technique's ``model_in_16_bits``): no autocast
+        # copies of the weights, a 16-bit residual stream and logits
         pure = pure_outside_deepspeed(config)
         adapted = adapts(config)  # LoRA/DoRA: the base frozen (16-bit under bf16/fp16)
-        model16 = deepspeed or fsdp or pure or adapted_16bit(config)
+        model16 = deepspeed or TECHNIQUES.model_in_16_bits(config)
         states = estimator_states(model_config, config, nproc, global_batch_size, gpu)
         params = states.parts["parameters"]
         grads = states.parts["gradients"]

@@ -38,10 +38,9 @@ from autotune.estimator.states import deepspeed_states, estimator_states, host_w
 from autotune.models import stats_of
 from trials.data import Documents, Shape, micro_shapes
 from trials.memory import host_scope
-from trials.techniques import OPTIMIZERS, PRECISIONS, TECHNIQUES, setting
+from trials.techniques import OPTIMIZERS, PRECISIONS, TECHNIQUES
 from trials.techniques.adapter import adapted_16bit
 from trials.techniques.attention import attn_implementation
-from trials.techniques.fsdp import runs_fsdp
 from trials.techniques.micro_batch import micro_and_accumulation
 from trials.techniques.optimizer import (
     STOCHASTIC_ADAMW,
@@ -52,7 +51,7 @@ from trials.techniques.optimizer import (
 )
 from trials.techniques.optimizer_in_backward import InBackward, steps_in_backward
 from trials.techniques.packing import packs
-from trials.techniques.precision import precision_of, pure_bf16
+from trials.techniques.precision import precision_of
 from trials.techniques.terms import TraceStep
 
 #: the tag of storages made in host memory (offloaded activations): not on the traced device
@@ -349,11 +348,9 @@ def trace_step(
     accum = min(2, accum)
     precision = PRECISIONS[precision_of(config)]
     deepspeed = deepspeed_states(config)
-    # pure bf16 outside DeepSpeed: the model built in bf16, no autocast (as DeepSpeed's 16 bits)
-    model16 = deepspeed or pure_bf16(config) or bool(setting(config, "model16"))
-    # FSDP2 computes on 16-bit copies of its shards (its mixed-precision policy): the model
-    # runs in 16 bits as DeepSpeed's does
-    model16 = model16 or runs_fsdp(config)
+    # the model built in 16 bits, no autocast (each technique's ``model_in_16_bits``: pure
+    # bf16, FSDP2; DeepSpeed and adapters over a 16-bit base by the trace's own flags)
+    model16 = deepspeed or TECHNIQUES.model_in_16_bits(config) or bool(config.get("model16"))
     opt_name = optimizer_of(config)
     if step_choice(config) is STOCHASTIC_ADAMW and not deepspeed:
         opt_name = "stochastic_adamw"

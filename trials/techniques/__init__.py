@@ -202,6 +202,11 @@ class Registry:
         for technique in self._techniques:
             technique.moments(step)
 
+    def model_in_16_bits(self, config: Config) -> bool:
+        """Whether any technique runs the model itself in 16 bits
+        (``Technique.model_in_16_bits``)."""
+        return any(technique.model_in_16_bits(config) for technique in self._techniques)
+
     def priced_as(self, config: Config) -> Config:
         """The configuration the roofline prices for ``config`` (``Technique.priced_as``, in
         order)."""

@@ -142,6 +142,9 @@ class Adapter(Technique):
         ),
     )
 
+    def model_in_16_bits(self, config: Config) -> bool:
+        return adapted_16bit(config)  # the frozen base in 16 bits
+
     def operators(self, step: SpeedStep) -> None:
         if adapts(step.config):
             freeze_base(step)

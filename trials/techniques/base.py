@@ -204,6 +204,13 @@ class Technique:
         replaces or removes in ``step.moments``, and what the model states hold at each
         (``step.held``)."""
 
+    def model_in_16_bits(self, config: Config) -> bool:
+        """Whether, with its choice, the model itself runs in 16 bits (no autocast copies of
+        the weights, a 16-bit residual stream and logits): DeepSpeed's engine, FSDP2's
+        mixed-precision policy, pure bf16, adapters over a 16-bit base. The estimators ask
+        every technique (any of them)."""
+        return False
+
     def priced_as(self, config: Config) -> Config:
         """The configuration whose costs the roofline prices in place of ``config`` (a
         technique that moves the bytes another's choice does: FSDP2 as a ZeRO stage); applied

@@ -171,6 +171,10 @@ class Fsdp(Technique):
             },
         }
 
+    def model_in_16_bits(self, config: Config) -> bool:
+        # FSDP2 computes on 16-bit copies of its shards (its mixed-precision policy)
+        return runs_fsdp(config)
+
     def priced_as(self, config: Config) -> Config:
         # FSDP2's traffic priced as the ZeRO stage that moves the same bytes: full_shard
         # gathers each block in forward and again in backward and reduce-scatters its gradients

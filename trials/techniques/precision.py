@@ -170,6 +170,9 @@ class MixedPrecision(Technique):
         ),
     )
 
+    def model_in_16_bits(self, config: Config) -> bool:
+        return pure_bf16(config)  # built in bf16, trained without autocast
+
     def operators(self, step: SpeedStep) -> None:
         if pure_bf16(step.config):  # the weight read and written, its gradient read: 2 bytes
             step.step_bytes -= PURE16_SAVED_BYTES

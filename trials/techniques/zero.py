@@ -44,6 +44,9 @@ class Zero(Technique):
     def deepspeed(self, config: Config, run: Run) -> dict[str, Any]:
         return {"zero_optimization": {"stage": zero_stage(config)}}
 
+    def model_in_16_bits(self, config: Config) -> bool:
+        return runs_deepspeed(config)  # DeepSpeed's engine keeps a 16-bit model, any stage
+
     def operators(self, step: SpeedStep) -> None:
         # stages 1-3 step this rank's shard of the states, over DeepSpeed's flat partitions,
         # and write the 16-bit copy of the updated weights
