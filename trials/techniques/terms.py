@@ -1,14 +1,16 @@
 """What a technique's estimator terms see and change: one training step's bytes per GPU
 (``MemoryStep``) and its seconds (``SpeedStep``), as the analytical estimator
-(``autotune.estimator.analytical``) and the roofline (``autotune.estimator.speed``) add them up.
+(``autotune.estimator.analytical``) and the roofline (``autotune.estimator.speed``) add them up,
+and the traced estimator's peak (``TraceStep``, ``autotune.estimator.traced``).
 
 The estimator fills a step with plain training's figures (no technique used), then calls every
-registered technique's hook in registry order (``Technique.memory``, ``Technique.moments``,
-``Technique.speed``); each hook adds or removes its own bytes or seconds, and the estimator
-sums what the step holds at each moment. The formulas several techniques share (the bytes a
-checkpointed layer's saved ops keep, ZeRO's and FSDP2's held states) stay in
-``autotune.estimator`` and reach the terms through ``MemoryStep.formulas``, so that nothing
-under ``trials/`` imports the estimator.
+registered technique's hook in registry order (``Technique.memory``, ``Technique.moments``;
+``Technique.operators``, ``Technique.kernels``, ``Technique.speed``;
+``Technique.traced_states``, ``Technique.traced_activations``); each hook adds or removes its
+own bytes or seconds, and the estimator sums what the step holds at each moment. The formulas
+several techniques share (the bytes a checkpointed layer's saved ops keep, ZeRO's and FSDP2's
+held states, adapters' activations) stay in ``autotune.estimator`` and reach the terms through
+``step.formulas``, so that nothing under ``trials/`` imports the estimator.
 """
 
 from __future__ import annotations
