@@ -26,7 +26,7 @@ from autotune.estimator.gpus import GPUS
 from autotune.estimator.traced import TracedEstimator
 from autotune.export import EXPORTERS, export
 from autotune.ladder import baseline_config
-from autotune.models import MODELS
+from autotune.models import MODELS, stats_of
 from autotune.selector import simplicity
 from autotune.space import SearchSpace
 from autotune.strategy import AutotuneSampler, needs_no_less_memory, observations
@@ -34,7 +34,7 @@ from tests.conftest import TINY_SETTINGS, tiny_spec
 from trials.job import run_trial
 from trials.techniques import TECHNIQUES, fidelity_class
 from trials.techniques.base import Config, Knob, Run, Technique
-from trials.techniques.terms import MemoryStep, SpeedStep
+from trials.techniques.terms import MemoryStep, SpeedStep, TraceStep
 
 #: elements of each pad choice (fp32: 4 bytes each)
 PAD = {"none": 0, "small": 250_000, "large": 1_000_000, "huge": 4_000_000}
@@ -310,3 +310,39 @@ def test_the_job_applies_it(toy: ToyPad) -> None:
     assert toy.applied == ["none", "large"]
     assert padded.losses == pytest.approx(plain.losses, rel=1e-6)
     assert padded.peak_bytes - plain.peak_bytes >= 4 * PAD["large"]
+
+
+class ToyStep(Technique):
+    """A toy whose ``heavy`` choice makes the optimizer's step move 4 more bytes per
+    parameter (an ``operators`` term) and whose fake step keeps 1,000 bytes the real one would
+    not (a ``traced_activations`` term)."""
+
+    family = "toy_step"
+    knobs = (Knob("toy_step", ("plain", "heavy"), baseline="plain"),)
+
+    def operators(self, step: SpeedStep) -> None:
+        if step.config.get("toy_step") == "heavy":
+            step.step_bytes += 4
+
+    def traced_activations(self, step: TraceStep) -> None:
+        if step.config.get("toy_step") == "heavy":
+            step.peak -= 1000
+            step.breakdown["activations"] -= 1000
+            step.notes.append("toy: 1000 B the fake step keeps taken off")
+
+
+def test_its_operator_and_trace_terms_reach_the_estimators(tmp_path: Path) -> None:
+    """The optimizer step of both estimators grows by 4 bytes per parameter at the H100's
+    HBM (3,350 GB/s at 75%), and only the traced peak loses the toy's 1,000 bytes."""
+    model = MODELS["tiny-llama"].config
+    plain = {"gradient_checkpointing": "off", "micro_batch_size": 2, "toy_step": "plain"}
+    heavy = {**plain, "toy_step": "heavy"}
+    extra_s = 4 * stats_of(model).n_params / (3350e9 * 0.75)
+    kw: dict[str, Any] = {"seq_len": 64, "global_batch_size": 4, "gpu": GPUS["h100"]}
+    with TECHNIQUES.extended(ToyStep()):
+        for estimator, cut in ((AnalyticalEstimator(), 0), (TracedEstimator(cache=tmp_path), 1000)):
+            a = estimator.estimate(model, plain, **kw)
+            b = estimator.estimate(model, heavy, **kw)
+            grown = b.time_breakdown["optimizer"] - a.time_breakdown["optimizer"]
+            assert grown == pytest.approx(extra_s, rel=1e-9), estimator.name
+            assert a.peak_bytes - b.peak_bytes == cut, estimator.name

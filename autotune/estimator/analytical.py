@@ -55,11 +55,12 @@ from autotune.estimator.states import (
 )
 from autotune.models import stats_of
 from trials.data import Documents, micro_shapes
-from trials.techniques import TECHNIQUES, setting
-from trials.techniques.adapter import adapted_16bit, adapts
-from trials.techniques.fsdp import runs_fsdp
+from trials.techniques import TECHNIQUES
+from trials.techniques.adapter import adapts
 from trials.techniques.micro_batch import micro_and_accumulation
 from trials.techniques.optimizer import step_choice
+from trials.techniques.precision import computes_in_16_bits
+from trials.techniques.quantization import quantizes
 from trials.techniques.terms import MemoryStep
 
 
@@ -84,15 +85,13 @@ class AnalyticalEstimator(Estimator):
         big = micro_shapes(config, seq_len, global_batch_size, documents, nproc)[0]
         micro, length = big.rows, big.length
         tokens = micro * length
-        half = setting(config, "precision") in ("bf16", "fp16")
+        half = computes_in_16_bits(config)
         deepspeed = deepspeed_states(config)
-        fsdp = runs_fsdp(config)
-        # the model itself in 16 bits (DeepSpeed's engine; FSDP2's mixed-precision policy; pure
-        # bf16, built in bf16): no autocast copies of the weights, a 16-bit residual stream and
-        # logits
+        # the model itself in 16 bits (each technique's ``model_in_16_bits``): no autocast
+        # copies of the weights, a 16-bit residual stream and logits
         pure = pure_outside_deepspeed(config)
         adapted = adapts(config)  # LoRA/DoRA: the base frozen (16-bit under bf16/fp16)
-        model16 = deepspeed or fsdp or pure or adapted_16bit(config)
+        model16 = deepspeed or TECHNIQUES.model_in_16_bits(config)
         states = estimator_states(model_config, config, nproc, global_batch_size, gpu)
         params = states.parts["parameters"]
         grads = states.parts["gradients"]
@@ -101,7 +100,7 @@ class AnalyticalEstimator(Estimator):
         layer_linear = st.layer_matrix_params + st.expert_params
         linear_params = layer_linear * layers
         head_params = vocab * h
-        quantized = str(setting(config, "quantization") or "none") != "none"
+        quantized = quantizes(config)
         # frozen quantized weights are dequantized per use, not kept as 16-bit copies
         cached_params = head_params + (0 if quantized else linear_params)
         weight_cache = 2 * cached_params if half and not model16 else 0

@@ -23,5 +23,8 @@ class Library:
     ) -> dict[str, int]:
         return states.fsdp_held(st, dict(config), n, moment, accum, cuda)
 
+    def adapter_activation_bytes(self, st: Any, config: Config, tokens: int) -> int:
+        return activations.adapter_activation_bytes(st, dict(config), tokens)
+
 
 FORMULAS = Library()

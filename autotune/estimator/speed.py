@@ -1,9 +1,13 @@
 """Roofline speed model: the step time of one GPU, op class by op class.
 
-``step_time`` prices plain training (matmuls, attention, element-wise work, dequantisation, the
-optimizer step, the launch floor) and hands a ``trials.techniques.terms.SpeedStep`` to every
-registered technique: ``kernels`` (recomputation, fused passes, launches) and then ``speed``
-(communication, host copies), each in the technique's own module; the parts below name them.
+``step_time`` prices plain training (matmuls, attention as plain math, element-wise work, the
+optimizer step's bytes, the launch floor) and hands a ``trials.techniques.terms.SpeedStep`` to
+every registered technique: ``operators`` (the weights a matmul reads, a frozen base, the
+attention kernel, dequantisation, the optimizer step's bytes, values and tensors), ``kernels``
+(recomputation, fused passes, launches) and then ``speed`` (communication, host copies, loss
+scaling), each in the technique's own module, whose figures the parts below describe; a
+technique that moves another's bytes is priced as that one (``Technique.priced_as``: FSDP2 as
+a ZeRO stage).
 
 Every part is FLOPs at the GPU's peak times an efficiency, or bytes at a link's bandwidth times
 an efficiency, whichever is slower (a roofline per op class):
@@ -79,12 +83,9 @@ from autotune.estimator.base import Estimate
 from autotune.estimator.gpus import GpuSpec
 from autotune.models import ModelStats, stats_of
 from trials.data import Documents, Shape, micro_shapes
-from trials.techniques import TECHNIQUES, setting
-from trials.techniques.adapter import adapts, rank_of
-from trials.techniques.fsdp import RESHARD, fsdp_mode, offloads_shards
+from trials.techniques import TECHNIQUES
 from trials.techniques.micro_batch import micro_and_accumulation
-from trials.techniques.offload import offloads_optimizer
-from trials.techniques.precision import pure_bf16
+from trials.techniques.precision import computes_in_16_bits, precision_of
 from trials.techniques.terms import SpeedStep
 
 #: fraction of the dense tensor-core (or fp32) peak that training's GEMMs reach, per GPU
@@ -102,21 +103,6 @@ COMM_EFFICIENCY = 0.70
 PCIE_EFFICIENCY = 0.80
 #: reads + writes of a layer's kept activations by its non-matmul ops, forward and backward
 ELEMENTWISE_PASSES = 4.0
-#: optimizer step bytes moved per parameter on the device: fp32 weight read and written, its
-#: gradient read, the states read and written (8-bit: a byte per moment, 4-bit half of it)
-OPTIMIZER_STEP_BYTES = {
-    "adamw": 28,
-    "adafactor": 16,
-    "lion": 20,
-    "adamw_8bit": 16,
-    "paged_adamw_8bit": 16,
-    "adamw_torchao_8bit": 16,
-    "adamw_torchao_4bit": 14,
-}
-#: pure bf16 (no fp32 masters): the step reads and writes 16-bit weights and reads 16-bit
-#: gradients, 3 x 2 bytes per parameter fewer than ``OPTIMIZER_STEP_BYTES`` counts
-PURE16_SAVED_BYTES = 6
-QUANT_BYTES = {"int8": 1.0, "nf4": 0.53}
 #: CPU time eager PyTorch spends per operator it launches (Python, dispatcher, cudaLaunchKernel):
 #: about 10 us (PyTorch's "Accelerating PyTorch with CUDA Graphs" post, 2021: the CPU
 #: overhead per kernel launch is what CUDA graphs remove; torch's profiler shows 5-20 us per
@@ -129,36 +115,6 @@ LAUNCH_S = 10e-6
 #: twice as many
 LAYER_OPS_FORWARD = 48
 LAYER_OPS_BACKWARD = 96
-#: launches per parameter tensor of the optimizer's step: torch's AdamW steps every tensor with
-#: foreach kernels over the whole list (none per tensor) unless each tensor is stepped alone
-#: (the step in backward: about 12 ops each, torch's single-tensor AdamW); bitsandbytes' 8-bit
-#: optimizers run one kernel per tensor behind about 200 us of Python (``Optimizer8bit.step``:
-#: the per-tensor config lookup, ``prefetch_state``, the ctypes call of
-#: ``optimizer_update_8bit_blockwise`` with its argument checks): 20 launches' worth; torchao's
-#: compiled per-tensor step about 3
-TENSOR_STEP_OPS = {
-    "adamw": 0,
-    "adafactor": 0,
-    "lion": 0,
-    "adamw_8bit": 20,
-    "paged_adamw_8bit": 20,
-    "adamw_torchao_8bit": 3,
-    "adamw_torchao_4bit": 3,
-}
-#: block-wise (de)quantisation of low-bit optimizer states in the step, as HBM-equivalent bytes
-#: per parameter beyond the bytes the step moves: each moment's code looked up (dequantised to
-#: fp32) and its new value searched in the 256-entry code book, with a block's absmax reduced
-#: first (bitsandbytes' ``kOptimizerStatic8bit2StateBlockwise``): about the cost of moving the
-#: two moments in fp32 once more (16 B) plus the block reductions (8 B); with the per-tensor
-#: Python above, torchtune's Llama 3.2 3B table's +8-bit AdamW rung (7,309 -> 6,960 tokens/s,
-#: 4.8% slower) comes out slower, where the bytes alone would make it faster. 4-bit (two codes
-#: a byte, 128-value blocks) taken 1.25x the 8-bit cost (no published figure)
-QUANT_STEP_BYTES = {
-    "adamw_8bit": 24,
-    "paged_adamw_8bit": 24,
-    "adamw_torchao_8bit": 24,
-    "adamw_torchao_4bit": 30,
-}
 #: gradient clipping (``clip_grad_norm_``): the norm reads every gradient, the scaling reads and
 #: writes them: 3 passes over the gradients' bytes
 CLIP_PASSES = 3
@@ -202,22 +158,6 @@ def _roof(flops: float, nbytes: float, flops_per_s: float, bytes_per_s: float) -
     return max(flops / flops_per_s, nbytes / bytes_per_s)
 
 
-def zero_equivalent(config: dict[str, Any]) -> dict[str, Any]:
-    """FSDP2's traffic priced as the ZeRO stage that moves the same bytes: full_shard gathers
-    each block in forward and again in backward and reduce-scatters its gradients (stage 3's
-    volume, 1.5x DDP's all-reduce); shard_grad_op gathers once per step (stage 2's);
-    ``fsdp_offload`` keeps the shards on the host and steps there (ZeRO-Offload's PCIe copies
-    and host step, at the same bytes though torch's AdamW runs there, not DeepSpeed's AVX Adam).
-    Any other config: itself."""
-    mode = fsdp_mode(config)
-    if mode not in RESHARD:
-        return config
-    out = {**config, "zero_stage": 3 if RESHARD[mode] else 2}
-    if offloads_shards(config):
-        out.update(offload_optimizer="cpu", offload_param="cpu")
-    return out
-
-
 def step_time(
     st: ModelStats,
     config: dict[str, Any],
@@ -234,9 +174,9 @@ def step_time(
     typical micro-batch of variable-length data (``trials.data``), rows x length positions;
     ``clip``: gradients clipped by norm before the step. Paged optimizer states' migration is
     added where the budget is known (``autotune.estimator.paging.apply_budget``)."""
-    config = zero_equivalent(config)
-    precision = str(setting(config, "precision"))
-    half = precision in ("bf16", "fp16")
+    config = dict(TECHNIQUES.priced_as(config))
+    precision = precision_of(config)
+    half = computes_in_16_bits(config)
     wbytes = 2 if half else 4
     peak = gpu.flops_per_s(precision) * matmul_efficiency(gpu)
     hbm = gpu.hbm_gbps * GB * HBM_EFFICIENCY
@@ -245,37 +185,15 @@ def step_time(
     if shape is not None:
         tokens, seq_len = shape.positions, shape.length
     n = max(1, nproc)
-    stage = int(setting(config, "zero_stage") or 0)
-    quant = str(setting(config, "quantization") or "none")
-    frozen = quant != "none" or adapts(config)
-    attention = str(setting(config, "attention"))
-    optimizer = str(setting(config, "optimizer"))
 
     # --- per micro-batch: forward, backward ----------------------------------------------------
     per_layer_mm = st.layer_matrix_params + st.expert_params * max(1, st.top_k) // max(
         1, st.experts
     )
     mm_params = st.layers * per_layer_mm + st.vocab * st.hidden  # + the LM head
-    weights_read = wbytes * mm_params if quant == "none" else 2 * mm_params
-    fwd_mm = _roof(2 * tokens * mm_params, weights_read, peak, hbm)
-    bwd_factor = 1 if frozen else 2  # frozen base: input gradients only
-    bwd_mm = _roof(2 * bwd_factor * tokens * mm_params, bwd_factor * weights_read, peak, hbm)
     q = st.heads * st.head_dim
-    attn_fwd_flops = 4 * seq_len * q * tokens * st.layers
-    if attention == "eager":
-        attn_fwd = attn_fwd_flops / peak
-        attn_bwd = 2 * attn_fwd
-    else:  # fused kernels: causal half skipped, backward recomputes the scores (2.5x forward)
-        kernel = attention
-        if attention == "sdpa" and shape is not None:
-            kernel = "sdpa_masked"  # packed or padded rows: sdpa gets a mask
-        attn_fwd = attn_fwd_flops / 2 / (peak * FLASH_EFFICIENCY.get(kernel, 1.0))
-        attn_bwd = 2.5 * attn_fwd
-    dequant = 0.0
-    if quant != "none":
-        qbytes = QUANT_BYTES.get(quant, 1.0)
-        quantized = st.linear_params  # not the experts
-        dequant = 2 * (qbytes + 2) * quantized / hbm  # forward and backward, read + write
+    attn_flops = 4 * seq_len * q * tokens * st.layers
+    attn_fwd = attn_flops / peak
     step = SpeedStep(
         config=config,
         stats=st,
@@ -291,38 +209,37 @@ def step_time(
         pcie=gpu.pcie_gbps * GB * PCIE_EFFICIENCY,
         link=gpu.interconnect_gbps * GB * COMM_EFFICIENCY,
         layer_act_bytes=layer_act_bytes,
-        fwd_mm=fwd_mm,
-        bwd_mm=bwd_mm,
-        attn_fwd=attn_fwd,
-        attn_bwd=attn_bwd,
-        dequant=dequant,
         elementwise_passes=ELEMENTWISE_PASSES,
         offloaded_activations=offloaded_activations,
-        per_tensor_ops=TENSOR_STEP_OPS.get(optimizer, 0),
+        documents=shape is not None,
+        mm_params=mm_params,
+        attn_flops=attn_flops,
+        attn_fwd=attn_fwd,
+        attn_bwd=2 * attn_fwd,
+        weight_bytes=wbytes,
+        trainable=st.n_params,
+        tensors=len(st.shapes),
     )
-    # recomputation, fused kernels, launches; then communication and host copies on top
+    # the operators (weights read, a frozen base, the attention kernel, the optimizer step),
+    # then the matmuls; recomputation, fused kernels, launches; then communication and host
+    # copies on top
+    TECHNIQUES.operator_terms(step)
+    weights_read = step.weight_bytes * mm_params
+    step.fwd_mm = _roof(2 * tokens * mm_params, weights_read, peak, hbm)
+    bwd_factor = 1 if step.frozen else 2  # frozen base: input gradients only
+    step.bwd_mm = _roof(2 * bwd_factor * tokens * mm_params, bwd_factor * weights_read, peak, hbm)
     TECHNIQUES.kernel_terms(step)
     TECHNIQUES.speed_terms(step)
     bwd = step.bwd
-    psi = st.n_params
+    fwd_mm, bwd_mm, attn_fwd, attn_bwd = step.fwd_mm, step.bwd_mm, step.attn_fwd, step.attn_bwd
+    dequant = step.dequant
 
     # --- optimizer step on the device -------------------------------------------------------------
-    off_opt = offloads_optimizer(config)
-    step_bytes = OPTIMIZER_STEP_BYTES.get(optimizer, 28) + QUANT_STEP_BYTES.get(optimizer, 0)
-    if pure_bf16(config):  # the weight read and written, its gradient read: 2 bytes, not 4
-        step_bytes -= PURE16_SAVED_BYTES
-    if frozen:
-        rank = rank_of(config)
-        trainable = 2 * rank * (st.layers * (st.layer_matrix_params // max(1, st.hidden)) + 1)
-        tensors = 2 * st.layers * 7  # an A and a B per adapted linear
-    else:
-        trainable = psi // (n if stage >= 1 else 1)
-        tensors = len(st.shapes)
-    opt_s = 0.0 if off_opt else (step_bytes + (2 if stage >= 1 and half else 0)) * trainable / hbm
-    if precision == "fp16" and not frozen:  # loss scaling: unscale and check every gradient
-        opt_s += 8 * psi / hbm
-    if not off_opt and stage == 0:  # DeepSpeed steps its flat partitions
-        opt_s += tensors * step.per_tensor_ops * LAUNCH_S
+    trainable = step.trainable
+    opt_s = step.step_bytes * trainable / hbm if step.optimizer_on_device else 0.0
+    opt_s += step.optimizer_extra
+    if step.optimizer_on_device and not step.flat_partitions:  # DeepSpeed's are flat
+        opt_s += step.tensors * step.per_tensor_ops * LAUNCH_S
     if clip:
         opt_s += CLIP_PASSES * (2 if half else 4) * trainable / hbm
 
@@ -345,14 +262,6 @@ def step_time(
     )
 
 
-#: fused attention kernels' efficiency relative to the GEMMs (FlashAttention-2 reaches about the
-#: GEMM efficiency on A100/H100; sdpa's CUDA path dispatches to the same flash kernels)
-#: given a mask sdpa falls back to the memory-efficient (xformers/cutlass) kernel, about half
-#: FlashAttention-2's speed (Dao 2023, FlashAttention-2, figure 4: 2x over xformers' cutlass
-#: kernel on A100)
-FLASH_EFFICIENCY = {"flash_attention_2": 1.0, "sdpa": 0.9, "sdpa_masked": 0.5}
-
-
 def roofline(
     est: Estimate,
     model_cfg: dict[str, Any],
@@ -370,7 +279,7 @@ def roofline(
     ``documents``: variable-length data, timed at a typical micro-batch (only its real tokens
     count)."""
     st = stats_of(model_cfg)
-    micro = int(setting(config, "micro_batch_size", global_batch_size))
+    micro, _ = micro_and_accumulation(config, global_batch_size, strict=False)
     shape = None
     if documents is not None:
         shape = micro_shapes(config, seq_len, global_batch_size, documents, nproc)[1]

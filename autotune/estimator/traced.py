@@ -21,7 +21,7 @@ import json
 import os
 import types
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -30,29 +30,29 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from autotune.estimator.activations import adapter_activation_bytes
 from autotune.estimator.base import PARTS, Estimate, Estimator
+from autotune.estimator.formulas import FORMULAS
 from autotune.estimator.gpus import GpuSpec
 from autotune.estimator.speed import roofline
-from autotune.estimator.states import (
-    deepspeed_states,
-    estimator_states,
-    fsdp_held,
-    host_with_activations,
-    zero_states_at,
-)
+from autotune.estimator.states import deepspeed_states, estimator_states, host_with_activations
 from autotune.models import stats_of
 from trials.data import Documents, Shape, micro_shapes
 from trials.memory import host_scope
-from trials.techniques import OPTIMIZERS, PRECISIONS, TECHNIQUES, setting
-from trials.techniques.adapter import adapted_16bit, adapts
-from trials.techniques.compile import compiles
-from trials.techniques.fsdp import runs_fsdp
+from trials.techniques import OPTIMIZERS, PRECISIONS, TECHNIQUES
+from trials.techniques.adapter import adapted_16bit
+from trials.techniques.attention import attn_implementation
 from trials.techniques.micro_batch import micro_and_accumulation
-from trials.techniques.optimizer import STOCHASTIC_ADAMW, TORCHAO_BLOCK, torchao_quantizes
+from trials.techniques.optimizer import (
+    STOCHASTIC_ADAMW,
+    TORCHAO_BLOCK,
+    optimizer_of,
+    step_choice,
+    torchao_quantizes,
+)
 from trials.techniques.optimizer_in_backward import InBackward, steps_in_backward
 from trials.techniques.packing import packs
-from trials.techniques.precision import pure_bf16, stochastic_rounding
+from trials.techniques.precision import precision_of
+from trials.techniques.terms import TraceStep
 
 #: the tag of storages made in host memory (offloaded activations): not on the traced device
 HOST = "host"
@@ -346,15 +346,13 @@ def trace_step(
     # Micro-batches after the second repeat the second one's memory exactly (gradients already
     # allocated, same activations), so two stand for any accumulation count.
     accum = min(2, accum)
-    precision = PRECISIONS[setting(config, "precision")]
+    precision = PRECISIONS[precision_of(config)]
     deepspeed = deepspeed_states(config)
-    # pure bf16 outside DeepSpeed: the model built in bf16, no autocast (as DeepSpeed's 16 bits)
-    model16 = deepspeed or pure_bf16(config) or bool(setting(config, "model16"))
-    # FSDP2 computes on 16-bit copies of its shards (its mixed-precision policy): the model
-    # runs in 16 bits as DeepSpeed's does
-    model16 = model16 or runs_fsdp(config)
-    opt_name = str(setting(config, "optimizer"))
-    if opt_name == "adamw" and stochastic_rounding(config) and not deepspeed:
+    # the model built in 16 bits, no autocast (each technique's ``model_in_16_bits``: pure
+    # bf16, FSDP2; DeepSpeed and adapters over a 16-bit base by the trace's own flags)
+    model16 = deepspeed or TECHNIQUES.model_in_16_bits(config) or bool(config.get("model16"))
+    opt_name = optimizer_of(config)
+    if step_choice(config) is STOCHASTIC_ADAMW and not deepspeed:
         opt_name = "stochastic_adamw"
     vocab = int(model_config["vocab_size"])
     tracker = PhaseTracker()
@@ -363,7 +361,7 @@ def trace_step(
         tracker,
         host_scope(tracker.host_allocations),
     ):
-        attention = str(setting(config, "attention"))
+        attention = attn_implementation(config)
         # DeepSpeed's engine runs the model in 16 bits: build it so (``model.to(dtype)`` can't
         # swap parameters under fake tensors)
         dtype = precision.autocast_dtype if model16 else None
@@ -455,21 +453,6 @@ def trace_step(
     return parts
 
 
-#: the model states of the trace's one unsharded process, which ZeRO's formula replaces
-TRACED_STATES = ("parameters", "gradients", "optimizer_states")
-
-
-def _net_of_states(parts: dict[str, int], prefix: str = "") -> tuple[int, dict[str, int]]:
-    """A traced peak (``prefix``: "" the step's, "hook:" the one after a first gradient hook,
-    "first_hook:" the one at it, "bwd:" the one in backward before it) and its breakdown, less
-    the trace's model states."""
-    breakdown = {k: parts[prefix + k] for k in PARTS}
-    peak = parts[prefix + "peak"]
-    for k in TRACED_STATES:
-        peak -= breakdown.pop(k)
-    return peak, breakdown
-
-
 def _cache_key(model_config: dict[str, Any], config: dict[str, Any], seq: int, gbs: int) -> str:
     blob = json.dumps(
         [CACHE_VERSION, torch.__version__, model_config, config, seq, gbs], sort_keys=True
@@ -497,20 +480,8 @@ class TracedEstimator(Estimator):
     ) -> dict[str, int]:
         # Only what the single fake process runs matters for the trace: ZeRO and offload are
         # applied afterwards, and a quantized model traces as its 16-bit LoRA-free self.
-        traced_cfg = {
-            k: v
-            for k, v in config.items()
-            if k
-            not in (
-                "zero_stage",
-                "offload_optimizer",
-                "offload_param",
-                "quantization",
-                "adapter",
-                "lora_rank",
-                "lora_targets",
-            )
-        }
+        untraced = TECHNIQUES.untraced()
+        traced_cfg = {k: v for k, v in config.items() if k not in untraced}
         if adapted_16bit(config):
             # adapters over a 16-bit base trace as the 16-bit model (peft's modules can't be
             # moved between dtypes on fake tensors); their own activations are added after
@@ -574,136 +545,55 @@ class TracedEstimator(Estimator):
             )
         if parts.get("eager_fallback"):
             notes.append(
-                f"transformers cannot build this model with {setting(config, 'attention')}: traced "
-                "with eager attention (s x s scores kept)"
+                f"transformers cannot build this model with {attn_implementation(config)}: "
+                "traced with eager attention (s x s scores kept)"
             )
-        elif str(setting(config, "attention")) in TRACED_ATTENTION:
+        elif attn_implementation(config) in TRACED_ATTENTION:
             notes.append(
-                f"{config['attention']} (CUDA only) traced as "
-                f"{TRACED_ATTENTION[str(config['attention'])]}, which keeps the same tensors"
+                f"{attn_implementation(config)} (CUDA only) traced as "
+                f"{TRACED_ATTENTION[attn_implementation(config)]}, which keeps the same tensors"
             )
-        breakdown = {k: parts.get(k, 0) for k in PARTS}
-        peak = parts["peak"]
         _, accum = micro_and_accumulation(config, global_batch_size, strict=False)
         states = estimator_states(model_config, config, nproc, global_batch_size, gpu)
-        if states.phases is not None:
-            # ZeRO: the trace ran one unsharded process. Its activations and logits stay; the
-            # model states are what DeepSpeed holds during the backward pass (the formula's),
-            # unless the end of backward (its buffers of the backward pass) or the optimizer
-            # step, with no activation left, hold more.
-            peak, breakdown = _net_of_states(parts)
-            held = zero_states_at(states.phases, "start of backward", accum)
-            # at the first gradient hook, what fires it (and ZeRO 1-2's bucket) beside what
-            # the trace held then; from then on, the bucket beside the trace's later peak
-            for prefix, moment in (
-                ("first_hook:", "first gradient hook"),
-                ("hook:", "after the first gradient hook"),
-            ):
-                hook_peak, hook = _net_of_states(parts, prefix)
-                hooked = zero_states_at(states.phases, moment, accum)
-                if hook_peak + sum(hooked.values()) > peak + sum(held.values()):
-                    peak, breakdown, held = hook_peak, hook, hooked
-            if states.phases.overflow:
-                # ZeRO-2 under offload: the first reduction in backward, with what the trace
-                # held at the first hook scaled to the layers whose backward is still to come
-                held_share = states.phases.overflow_held
-                hook_peak, hook = _net_of_states(parts, "first_hook:")
-                over = zero_states_at(states.phases, "bucket overflow", accum)
-                if int(hook_peak * held_share) + sum(over.values()) > peak + sum(held.values()):
-                    breakdown = {k: int(v * held_share) for k, v in hook.items()}
-                    peak, held = sum(breakdown.values()), over
-            stateful = [
-                zero_states_at(states.phases, moment, accum)
-                for moment in ("end of backward", "accumulation boundary", "optimizer step")
-            ]
-            alone = max(stateful, key=lambda part: sum(part.values()))
-            if sum(alone.values()) > peak + sum(held.values()):
-                peak, breakdown = sum(alone.values()), {k: 0 for k in PARTS}
-                breakdown.update(alone)
-            else:
-                peak += sum(held.values())
-                breakdown["temporaries"] += held.pop("temporaries")
-                breakdown.update(held)
-            breakdown = {k: breakdown.get(k, 0) for k in PARTS}
-            notes.extend(states.notes)
-        elif runs_fsdp(config):
-            # FSDP2: the trace ran one unsharded process. Its activations and logits at the
-            # first gradient hook (the start of backward) beside what a rank holds then
-            # (``fsdp_held``: shards, gathered parameters, the head's gradient), unless a moment
-            # with no activation left (the end of backward's reductions, the step) holds more
-            # (in backward before that hook too: the logits' gradients)
-            # (chunked cross-entropy: at the hook only, the head's gradient being ``fsdp_held``'s
-            # beside the slices' logits)
-            chunked = str(setting(config, "cross_entropy")) == "chunked"
-            prefixes = ("first_hook:",) if chunked else ("bwd:", "first_hook:")
-            hook_peak, hook = max(
-                (_net_of_states(parts, prefix) for prefix in prefixes), key=lambda net: net[0]
-            )
-            held = fsdp_held(st, config, nproc, "start of backward", accum, cuda=gpu is not None)
-            peak = hook_peak + sum(held.values())
-            breakdown = {**hook, **held, "temporaries": hook["temporaries"] + held["temporaries"]}
-            for moment in ("end of backward", "optimizer step"):
-                alone = fsdp_held(st, config, nproc, moment, accum, cuda=gpu is not None)
-                if sum(alone.values()) > peak:
-                    peak, breakdown = sum(alone.values()), {**dict.fromkeys(PARTS, 0), **alone}
-            breakdown = {k: breakdown.get(k, 0) for k in PARTS}
-            notes.extend(states.notes)
-        elif adapts(config):
-            # the trace trained every weight of the frozen model: its step and the end of its
-            # backward (every gradient, AdamW's temporaries) are not the adapters'. Its
-            # activations and logits at the start of backward (before or at its first gradient
-            # hook, or after it) beside the formula's states, the adapters' step being small
-            peak, breakdown = -1, {}
-            for prefix in ("bwd:", "first_hook:", "hook:"):
-                net, parts_at = _net_of_states(parts, prefix)
-                if net > peak:
-                    peak, breakdown = net, parts_at
-            peak += sum(states.parts.values())
-            breakdown = {k: breakdown.get(k, 0) for k in PARTS} | states.parts
-            notes.extend(states.notes)
-        elif states.replaces_trace:
-            # The trace ran one unsharded process: swap its model states for the formula's.
-            for k in TRACED_STATES:
-                peak += states.parts[k] - breakdown[k]
-                breakdown[k] = states.parts[k]
-            notes.extend(states.notes)
-        if states.frozen_copies:
-            # the trace trains the base weights, so autocast kept 16-bit copies of them; frozen
-            # quantized weights are dequantized per use instead
-            cut = min(states.frozen_copies, breakdown["activations"])
-            breakdown["activations"] -= cut
-            peak -= cut
-            notes.append("16-bit copies of the (frozen, quantized) base weights removed")
-        if adapts(config):
-            # the trace trains the frozen model: what the adapters keep beside (or spare)
-            st_tokens = micro_shapes(config, seq_len, global_batch_size, documents, nproc)[0]
-            delta = adapter_activation_bytes(st, config, st_tokens.rows * st_tokens.length)
-            if breakdown["activations"] > 0:
-                delta = max(delta, -breakdown["activations"])
-                breakdown["activations"] += delta
-                peak += delta
-            notes.append("adapters' activations added to the frozen model's trace by formula")
-        if compiles(config):
-            # fake tensors run the layers eagerly: what the compiled layers do not keep is the
-            # analytical model's difference (measured with saved-tensor hooks on a compiled one)
+        largest = micro_shapes(config, seq_len, global_batch_size, documents, nproc)[0]
+
+        def analytical_peak(cfg: Mapping[str, Any]) -> int:
             from autotune.estimator.analytical import AnalyticalEstimator
 
-            analytical = AnalyticalEstimator()
-            kw: dict[str, Any] = {
-                "seq_len": seq_len,
-                "global_batch_size": global_batch_size,
-                "nproc": nproc,
-                "gpu": gpu,
-                "documents": documents,
-            }
-            eager = analytical.estimate(model_config, {**config, "compile": False}, **kw)
-            saving = eager.peak_bytes - analytical.estimate(model_config, config, **kw).peak_bytes
-            cut = max(0, min(saving, breakdown["activations"]))
-            breakdown["activations"] -= cut
-            peak -= cut
-            notes.append(
-                f"compiled layers traced eagerly; the analytical saving taken off ({cut} B)"
+            return (
+                AnalyticalEstimator()
+                .estimate(
+                    model_config,
+                    dict(cfg),
+                    seq_len=seq_len,
+                    global_batch_size=global_batch_size,
+                    nproc=nproc,
+                    gpu=gpu,
+                    documents=documents,
+                )
+                .peak_bytes
             )
+
+        step = TraceStep(
+            config=config,
+            stats=st,
+            formulas=FORMULAS,
+            states=states,
+            nproc=nproc,
+            accum=accum,
+            cuda=gpu is not None,
+            tokens=largest.rows * largest.length,
+            parts=parts,
+            roles=PARTS,
+            peak=parts["peak"],
+            breakdown={k: parts.get(k, 0) for k in PARTS},
+            notes=notes,
+            analytical_peak=analytical_peak,
+        )
+        # the states the one fake process could not hold, then what it kept that the real
+        # step does not (each technique's ``traced_states``, ``traced_activations``)
+        TECHNIQUES.traced_terms(step)
+        peak, breakdown = step.peak, step.breakdown
         offloaded = parts.get("host_activations", 0)
         host = host_with_activations(states.host, offloaded, nproc, gpu, notes)
         est = Estimate(int(peak), breakdown, method=self.name, notes=notes, host_breakdown=host)

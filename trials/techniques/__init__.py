@@ -45,7 +45,7 @@ from trials.techniques.base import FIDELITY_CLASSES, Choice, Config, Forbid, Kno
 from trials.techniques.checkpointing import CHECKPOINTING
 from trials.techniques.optimizer import OPTIMIZERS
 from trials.techniques.precision import PRECISIONS
-from trials.techniques.terms import MemoryStep, SpeedStep
+from trials.techniques.terms import TRACED_STATES, MemoryStep, SpeedStep, TraceStep
 
 __all__ = [
     "ATTENTION",
@@ -202,6 +202,24 @@ class Registry:
         for technique in self._techniques:
             technique.moments(step)
 
+    def model_in_16_bits(self, config: Config) -> bool:
+        """Whether any technique runs the model itself in 16 bits
+        (``Technique.model_in_16_bits``)."""
+        return any(technique.model_in_16_bits(config) for technique in self._techniques)
+
+    def priced_as(self, config: Config) -> Config:
+        """The configuration the roofline prices for ``config`` (``Technique.priced_as``, in
+        order)."""
+        for technique in self._techniques:
+            config = technique.priced_as(config)
+        return config
+
+    def operator_terms(self, step: SpeedStep) -> None:
+        """Every technique's change to plain training's operators, in order
+        (``Technique.operators``)."""
+        for technique in self._techniques:
+            technique.operators(step)
+
     def kernel_terms(self, step: SpeedStep) -> None:
         """Every technique's change to a micro-batch's kernels, in order
         (``Technique.kernels``)."""
@@ -213,6 +231,26 @@ class Registry:
         (``Technique.speed``)."""
         for technique in self._techniques:
             technique.speed(step)
+
+    def untraced(self) -> frozenset[str]:
+        """The dimensions the traced estimator's fake process does not run
+        (``Technique.untraced``)."""
+        return frozenset(d for technique in self._techniques for d in technique.untraced)
+
+    def traced_terms(self, step: TraceStep) -> None:
+        """Every technique's combination with the traced step, in order: the states
+        (``Technique.traced_states``), then the activations (``traced_activations``)."""
+        for technique in self._techniques:
+            technique.traced_states(step)
+        if not step.taken and step.states.replaces_trace:
+            # the trace's one unsharded process: its model states swapped for the formula's
+            for k in TRACED_STATES:
+                step.peak += step.states.parts[k] - step.breakdown[k]
+                step.breakdown[k] = step.states.parts[k]
+        if step.taken or step.states.replaces_trace:
+            step.notes.extend(step.states.notes)
+        for technique in self._techniques:
+            technique.traced_activations(step)
 
     def environment(self, config: Config, inherited: dict[str, str]) -> dict[str, str]:
         """Every technique's environment variables for a CUDA trial (``Technique.environment``)."""

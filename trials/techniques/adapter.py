@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from trials.hardware import Hardware
+    from trials.techniques.terms import SpeedStep, TraceStep
 
 ADAPTERS = ("none", "lora", "dora")
 LORA_RANKS = (4, 8, 16, 32, 64, 128)
@@ -92,12 +93,25 @@ def adapted_shapes(
     return shapes, sum(out for out, _ in shapes)
 
 
+def freeze_base(step: SpeedStep) -> None:
+    """A frozen base under adapters (LoRA, DoRA, QLoRA's): the matmuls compute no weight
+    gradient, and the optimizer steps an A and a B of the config's rank per adapted linear
+    (seven per layer)."""
+    st = step.stats
+    step.frozen = True
+    step.trainable = (
+        2 * rank_of(step.config) * (st.layers * (st.layer_matrix_params // max(1, st.hidden)) + 1)
+    )
+    step.tensors = 2 * st.layers * 7
+
+
 def _needs_peft(hw: Hardware) -> str | None:
     return None if hw.has_peft else "peft is not installed (pip install peft)"
 
 
 class Adapter(Technique):
     family = "adapter"
+    untraced = ("adapter", "lora_rank", "lora_targets")  # by formula beside the trace
     knobs = (
         Knob(
             "adapter",
@@ -127,6 +141,40 @@ class Adapter(Technique):
             "an adapter or QLoRA's quantized base (which has its own adapters), not both",
         ),
     )
+
+    def model_in_16_bits(self, config: Config) -> bool:
+        return adapted_16bit(config)  # the frozen base in 16 bits
+
+    def operators(self, step: SpeedStep) -> None:
+        if adapts(step.config):
+            freeze_base(step)
+
+    def traced_states(self, step: TraceStep) -> None:
+        # the trace trained every weight of the frozen model: its step and the end of its
+        # backward (every gradient, AdamW's temporaries) are not the adapters'. Its
+        # activations and logits at the start of backward (before or at its first gradient
+        # hook, or after it) beside the formula's states, the adapters' step being small
+        if not adapts(step.config) or step.taken:
+            return
+        step.taken = True
+        peak, breakdown = -1, {}
+        for prefix in ("bwd:", "first_hook:", "hook:"):
+            net, parts_at = step.net(prefix)
+            if net > peak:
+                peak, breakdown = net, parts_at
+        step.peak = peak + sum(step.states.parts.values())
+        step.breakdown = {k: breakdown.get(k, 0) for k in step.roles} | step.states.parts
+
+    def traced_activations(self, step: TraceStep) -> None:
+        # the trace trains the frozen model: what the adapters keep beside (or spare)
+        if not adapts(step.config):
+            return
+        delta = step.formulas.adapter_activation_bytes(step.stats, step.config, step.tokens)
+        if step.breakdown["activations"] > 0:
+            delta = max(delta, -step.breakdown["activations"])
+            step.breakdown["activations"] += delta
+            step.peak += delta
+        step.notes.append("adapters' activations added to the frozen model's trace by formula")
 
     def apply(self, model: nn.Module, config: Config, device: torch.device) -> nn.Module:
         if not adapts(config):

@@ -8,6 +8,7 @@ from trials.techniques.base import Config, Knob, Run, Technique
 
 if TYPE_CHECKING:
     from trials.hardware import Hardware
+    from trials.techniques.terms import SpeedStep
 
 #: search value -> transformers ``attn_implementation``
 ATTENTION: dict[str, str] = {
@@ -15,6 +16,13 @@ ATTENTION: dict[str, str] = {
     "sdpa": "sdpa",
     "flash_attention_2": "flash_attention_2",
 }
+
+#: fused attention kernels' efficiency relative to the GEMMs (FlashAttention-2 reaches about the
+#: GEMM efficiency on A100/H100; sdpa's CUDA path dispatches to the same flash kernels)
+#: given a mask sdpa falls back to the memory-efficient (xformers/cutlass) kernel, about half
+#: FlashAttention-2's speed (Dao 2023, FlashAttention-2, figure 4: 2x over xformers' cutlass
+#: kernel on A100)
+FLASH_EFFICIENCY = {"flash_attention_2": 1.0, "sdpa": 0.9, "sdpa_masked": 0.5}
 
 
 def attn_implementation(config: Config) -> str:
@@ -44,6 +52,18 @@ class Attention(Technique):
             requires={"flash_attention_2": _flash_attn},
         ),
     )
+
+    def operators(self, step: SpeedStep) -> None:
+        # fused kernels: the causal half skipped, backward recomputes the scores (2.5x the
+        # forward); sdpa given a mask (packed or padded rows) runs the memory-efficient kernel.
+        # Eager attention is the plain math the roofline starts from
+        kernel = str(step.config.get("attention", "sdpa"))
+        if kernel == "eager":
+            return
+        if kernel == "sdpa" and step.documents:
+            kernel = "sdpa_masked"
+        step.attn_fwd = step.attn_flops / 2 / (step.peak * FLASH_EFFICIENCY.get(kernel, 1.0))
+        step.attn_bwd = 2.5 * step.attn_fwd
 
     # the job applies it when it builds the model (``trials.build``: the kernel is a
     # construction argument), not on the built model

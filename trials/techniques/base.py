@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from trials.hardware import Hardware
-    from trials.techniques.terms import MemoryStep, SpeedStep
+    from trials.techniques.terms import MemoryStep, SpeedStep, TraceStep
 
 Choice = str | int | float | bool
 Config = Mapping[str, Any]
@@ -170,6 +170,9 @@ class Technique:
     #: whether the traced estimator applies it too (``autotune.estimator.traced``: a step under
     #: ``FakeTensorMode``, where only what works on fake tensors can run)
     traced: bool = False
+    #: its dimensions the traced estimator's one fake process does not run: their accounting
+    #: is by formula (``traced_states``), and the trace is shared by every choice of them
+    untraced: tuple[str, ...] = ()
 
     def apply(self, model: nn.Module, config: Config, device: torch.device) -> nn.Module:
         return model
@@ -201,6 +204,24 @@ class Technique:
         replaces or removes in ``step.moments``, and what the model states hold at each
         (``step.held``)."""
 
+    def model_in_16_bits(self, config: Config) -> bool:
+        """Whether, with its choice, the model itself runs in 16 bits (no autocast copies of
+        the weights, a 16-bit residual stream and logits): DeepSpeed's engine, FSDP2's
+        mixed-precision policy, pure bf16, adapters over a 16-bit base. The estimators ask
+        every technique (any of them)."""
+        return False
+
+    def priced_as(self, config: Config) -> Config:
+        """The configuration whose costs the roofline prices in place of ``config`` (a
+        technique that moves the bytes another's choice does: FSDP2 as a ZeRO stage); applied
+        in registry order before the speed terms."""
+        return config
+
+    def operators(self, step: SpeedStep) -> None:
+        """What plain training's operators become (first pass of the speed terms, before the
+        matmuls are priced): the weights a matmul reads, a frozen base, the attention kernel,
+        dequantisation, and the optimizer step's bytes, values and tensors."""
+
     def kernels(self, step: SpeedStep) -> None:
         """How it changes what a micro-batch runs (first pass of the speed terms):
         recomputation, fused element-wise work, launches."""
@@ -208,6 +229,15 @@ class Technique:
     def speed(self, step: SpeedStep) -> None:
         """Its seconds on top of the micro-batches' (second pass): communication, host
         copies, a host step."""
+
+    def traced_states(self, step: TraceStep) -> None:
+        """The model states the traced estimator's one unsharded process could not hold
+        (first pass): which of the trace's moments to take and the formula's states beside
+        it; ``step.taken`` once done."""
+
+    def traced_activations(self, step: TraceStep) -> None:
+        """What the traced estimator's fake step kept that the real one does not, or the
+        reverse (second pass): ``step.peak``, ``step.breakdown`` and a note."""
 
     def environment(self, config: Config, inherited: Mapping[str, str]) -> dict[str, str]:
         """Environment variables the trial's processes need from their start on CUDA (the

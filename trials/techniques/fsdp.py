@@ -22,12 +22,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from trials.techniques.base import Config, Forbid, Knob, Run, Technique
+from trials.techniques.cross_entropy import is_chunked
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-    from trials.techniques.terms import MemoryStep
+    from trials.techniques.terms import MemoryStep, TraceStep
 
 #: fsdp choice -> reshard_after_forward
 RESHARD = {"full_shard": True, "shard_grad_op": False}
@@ -170,6 +171,24 @@ class Fsdp(Technique):
             },
         }
 
+    def model_in_16_bits(self, config: Config) -> bool:
+        # FSDP2 computes on 16-bit copies of its shards (its mixed-precision policy)
+        return runs_fsdp(config)
+
+    def priced_as(self, config: Config) -> Config:
+        # FSDP2's traffic priced as the ZeRO stage that moves the same bytes: full_shard
+        # gathers each block in forward and again in backward and reduce-scatters its gradients
+        # (stage 3's volume, 1.5x DDP's all-reduce); shard_grad_op gathers once per step (stage
+        # 2's); ``fsdp_offload`` keeps the shards on the host and steps there (ZeRO-Offload's
+        # PCIe copies and host step, at the same bytes though torch's AdamW runs there, not
+        # DeepSpeed's AVX Adam)
+        if not runs_fsdp(config):
+            return config
+        out = {**config, "zero_stage": 3 if RESHARD[fsdp_mode(config)] else 2}
+        if offloads_shards(config):
+            out.update(offload_optimizer="cpu", offload_param="cpu")
+        return out
+
     def moments(self, step: MemoryStep) -> None:
         # the first block's backward (the last recomputed) apart from the root's gradients
         # reduced at the very end, when no activation is left; a rank's shards and what it
@@ -185,6 +204,33 @@ class Fsdp(Technique):
             )
 
         step.held = held
+
+    def traced_states(self, step: TraceStep) -> None:
+        # the trace ran one unsharded process. Its activations and logits at the first
+        # gradient hook (the start of backward) beside what a rank holds then (``fsdp_held``:
+        # shards, gathered parameters, the head's gradient), unless a moment with no
+        # activation left (the end of backward's reductions, the step) holds more (in backward
+        # before that hook too: the logits' gradients) (chunked cross-entropy: at the hook
+        # only, the head's gradient being ``fsdp_held``'s beside the slices' logits)
+        if not runs_fsdp(step.config) or step.taken:
+            return
+        step.taken = True
+        prefixes = ("first_hook:",) if is_chunked(step.config) else ("bwd:", "first_hook:")
+        hook_peak, hook = max((step.net(prefix) for prefix in prefixes), key=lambda net: net[0])
+
+        def held(moment: str) -> dict[str, int]:
+            return step.formulas.fsdp_held(
+                step.stats, step.config, step.nproc, moment, step.accum, step.cuda
+            )
+
+        start = held("start of backward")
+        peak = hook_peak + sum(start.values())
+        breakdown = {**hook, **start, "temporaries": hook["temporaries"] + start["temporaries"]}
+        for moment in ("end of backward", "optimizer step"):
+            alone = held(moment)
+            if sum(alone.values()) > peak:
+                peak, breakdown = sum(alone.values()), {**dict.fromkeys(step.roles, 0), **alone}
+        step.peak, step.breakdown = peak, {k: breakdown.get(k, 0) for k in step.roles}
 
     def companion(self, config: Config, run: Run) -> dict[str, Any]:
         return {

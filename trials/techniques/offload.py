@@ -52,6 +52,7 @@ def param_offload(ds_config: Mapping[str, Any]) -> Mapping[str, Any] | None:
 
 class Offload(Technique):
     family = "offload"
+    untraced = ("offload_optimizer", "offload_param")  # by formula beside the trace
     knobs = (
         Knob(
             "offload_optimizer",
@@ -97,6 +98,10 @@ class Offload(Technique):
         if offloads_params(config):
             zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
         return {"zero_optimization": zero} if zero else {}
+
+    def operators(self, step: SpeedStep) -> None:
+        if offloads_optimizer(step.config):  # the host steps (its seconds: ``speed``)
+            step.optimizer_on_device = False
 
     def speed(self, step: SpeedStep) -> None:
         # offloaded optimizer: 16-bit gradients to the host over PCIe, copied out in the

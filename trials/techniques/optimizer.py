@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -14,6 +14,9 @@ from trials.techniques.base import Config, Forbid, Knob, Run, Technique
 from trials.techniques.offload import offloads_optimizer
 from trials.techniques.precision import STOCHASTIC_OPTIMIZERS, stochastic_rounding
 from trials.techniques.zero import zero_stage
+
+if TYPE_CHECKING:
+    from trials.techniques.terms import SpeedStep
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter], float], torch.optim.Optimizer]
 
@@ -218,6 +221,51 @@ ADAM_BETAS = (0.9, 0.999)  # torch.optim.AdamW's defaults, which the reference u
 ADAM_EPS = 1e-8
 
 
+#: the roofline's optimizer step: bytes moved per parameter on the device: fp32 weight read and
+#: written, its gradient read, the states read and written (8-bit: a byte per moment, 4-bit half
+#: of it)
+OPTIMIZER_STEP_BYTES = {
+    "adamw": 28,
+    "adafactor": 16,
+    "lion": 20,
+    "adamw_8bit": 16,
+    "paged_adamw_8bit": 16,
+    "adamw_torchao_8bit": 16,
+    "adamw_torchao_4bit": 14,
+}
+
+#: launches per parameter tensor of the optimizer's step: torch's AdamW steps every tensor with
+#: foreach kernels over the whole list (none per tensor) unless each tensor is stepped alone
+#: (the step in backward: about 12 ops each, torch's single-tensor AdamW); bitsandbytes' 8-bit
+#: optimizers run one kernel per tensor behind about 200 us of Python (``Optimizer8bit.step``:
+#: the per-tensor config lookup, ``prefetch_state``, the ctypes call of
+#: ``optimizer_update_8bit_blockwise`` with its argument checks): 20 launches' worth; torchao's
+#: compiled per-tensor step about 3
+TENSOR_STEP_OPS = {
+    "adamw": 0,
+    "adafactor": 0,
+    "lion": 0,
+    "adamw_8bit": 20,
+    "paged_adamw_8bit": 20,
+    "adamw_torchao_8bit": 3,
+    "adamw_torchao_4bit": 3,
+}
+#: block-wise (de)quantisation of low-bit optimizer states in the step, as HBM-equivalent bytes
+#: per parameter beyond the bytes the step moves: each moment's code looked up (dequantised to
+#: fp32) and its new value searched in the 256-entry code book, with a block's absmax reduced
+#: first (bitsandbytes' ``kOptimizerStatic8bit2StateBlockwise``): about the cost of moving the
+#: two moments in fp32 once more (16 B) plus the block reductions (8 B); with the per-tensor
+#: Python above, torchtune's Llama 3.2 3B table's +8-bit AdamW rung (7,309 -> 6,960 tokens/s,
+#: 4.8% slower) comes out slower, where the bytes alone would make it faster. 4-bit (two codes
+#: a byte, 128-value blocks) taken 1.25x the 8-bit cost (no published figure)
+QUANT_STEP_BYTES = {
+    "adamw_8bit": 24,
+    "paged_adamw_8bit": 24,
+    "adamw_torchao_8bit": 24,
+    "adamw_torchao_4bit": 30,
+}
+
+
 def optimizer_of(config: Config) -> str:
     return str(config.get("optimizer", "adamw"))
 
@@ -320,6 +368,11 @@ class Optimizer(Technique):
             "ZeRO hands a client optimizer its flat partitions instead",
         ),
     )
+
+    def operators(self, step: SpeedStep) -> None:
+        name = optimizer_of(step.config)
+        step.step_bytes += OPTIMIZER_STEP_BYTES.get(name, 28) + QUANT_STEP_BYTES.get(name, 0)
+        step.per_tensor_ops = TENSOR_STEP_OPS.get(name, 0)
 
     def deepspeed(self, config: Config, run: Run) -> dict[str, Any]:
         """DeepSpeed's own AdamW where it has one (``torch_adam``: it then builds

@@ -21,6 +21,7 @@ from trials.techniques.base import Config, Forbid, Knob, Run, Technique
 
 if TYPE_CHECKING:
     from trials.hardware import Hardware
+    from trials.techniques.terms import SpeedStep
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,11 @@ def precision_of(config: Config) -> str:
     return str(config.get("precision", "fp32"))
 
 
+def computes_in_16_bits(config: Config) -> bool:
+    """bf16 or fp16 compute (autocast, or a 16-bit model)."""
+    return PRECISIONS[precision_of(config)].autocast_dtype is not None
+
+
 def weight_dtype(precision: str) -> torch.dtype:
     """The dtype DeepSpeed trains the model's own weights in (its fp32 master copy apart)."""
     return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
@@ -58,6 +64,10 @@ STOCHASTIC_OPTIMIZERS = {
     "adamw_torchao_8bit": "AdamW8bit",
     "adamw_torchao_4bit": "AdamW4bit",
 }
+
+#: pure bf16 (no fp32 masters): the step reads and writes 16-bit weights and reads 16-bit
+#: gradients, 3 x 2 bytes per parameter fewer than the optimizer's step moves over fp32 masters
+PURE16_SAVED_BYTES = 6
 
 
 def pure_bf16(config: Config) -> bool:
@@ -159,6 +169,18 @@ class MixedPrecision(Technique):
             "(STOCHASTIC_OPTIMIZERS)",
         ),
     )
+
+    def model_in_16_bits(self, config: Config) -> bool:
+        return pure_bf16(config)  # built in bf16, trained without autocast
+
+    def operators(self, step: SpeedStep) -> None:
+        if pure_bf16(step.config):  # the weight read and written, its gradient read: 2 bytes
+            step.step_bytes -= PURE16_SAVED_BYTES
+
+    def speed(self, step: SpeedStep) -> None:
+        # fp16's loss scaling unscales and checks every gradient (a frozen base has none)
+        if PRECISIONS[precision_of(step.config)].loss_scaling and not step.frozen:
+            step.optimizer_extra += 8 * step.stats.n_params / step.hbm
 
     def deepspeed(self, config: Config, run: Run) -> dict[str, Any]:
         precision = precision_of(config)

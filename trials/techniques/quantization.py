@@ -15,10 +15,12 @@ import torch
 from torch import nn
 
 from trials.hardware import needs_bitsandbytes
+from trials.techniques.adapter import freeze_base
 from trials.techniques.base import Config, Forbid, Knob, Run, Technique
 
 if TYPE_CHECKING:
     from trials.hardware import Hardware
+    from trials.techniques.terms import SpeedStep, TraceStep
 
 #: LoRA on every linear layer but the output head (QLoRA's recipe, Dettmers et al. 2023)
 LORA_RANK = 8
@@ -30,6 +32,8 @@ LORA_ALPHA = 16
 #: 4.127 bits, the QLoRA paper's figure, section 3); the analytical estimator's terms
 WEIGHT_BYTES = {"int8": 1.0, "nf4": (4 + 8 / 64 + 32 / (64 * 256)) / 8}
 ROW_SCALE_BYTES = {"int8": 4, "nf4": 0}
+#: bytes per weight the roofline's dequantisation pass reads (any other base: 1)
+DEQUANT_READ_BYTES = {"int8": 1.0, "nf4": 0.53}
 
 
 def add_lora(model: nn.Module, rank: int = LORA_RANK, alpha: int = LORA_ALPHA) -> nn.Module:
@@ -138,6 +142,11 @@ def _quantized(
     return apply
 
 
+def quantizes(config: Config) -> bool:
+    """A quantized frozen base (int8 or nf4) with LoRA adapters."""
+    return str(config.get("quantization") or "none") != "none"
+
+
 def builds_on_host(config: Config) -> bool:
     """Quantized runs build the full-precision model in host memory: bitsandbytes quantizes the
     weights as they move to the GPU, so the device never holds a full-precision copy."""
@@ -179,6 +188,7 @@ AXOLOTL_LORA = {
 
 class Quantization(Technique):
     family = "quantization"
+    untraced = ("quantization",)  # by formula beside the trace
     knobs = (
         Knob(
             "quantization",
@@ -200,6 +210,28 @@ class Quantization(Technique):
             "ZeRO-3 does not partition bitsandbytes' quantized weights",
         ),
     )
+
+    def operators(self, step: SpeedStep) -> None:
+        # the weights dequantised to 16 bits before every use, forward and backward (a
+        # memory-bound pass over the linears', not the experts', each time: read and write),
+        # which the matmuls then read; the base frozen under its adapters
+        quant = str(step.config.get("quantization", "none"))
+        if quant == "none":
+            return
+        qbytes = DEQUANT_READ_BYTES.get(quant, 1.0)
+        step.weight_bytes = 2
+        step.dequant = 2 * (qbytes + 2) * step.stats.linear_params / step.hbm
+        freeze_base(step)
+
+    def traced_activations(self, step: TraceStep) -> None:
+        # the trace trains the base weights, so autocast kept 16-bit copies of them; frozen
+        # quantized weights are dequantized per use instead
+        if not step.states.frozen_copies:
+            return
+        cut = min(step.states.frozen_copies, step.breakdown["activations"])
+        step.breakdown["activations"] -= cut
+        step.peak -= cut
+        step.notes.append("16-bit copies of the (frozen, quantized) base weights removed")
 
     def apply(self, model: nn.Module, config: Config, device: torch.device) -> nn.Module:
         return QUANTIZATION[str(config.get("quantization", "none"))](model, device)

@@ -1,14 +1,16 @@
 """What a technique's estimator terms see and change: one training step's bytes per GPU
 (``MemoryStep``) and its seconds (``SpeedStep``), as the analytical estimator
-(``autotune.estimator.analytical``) and the roofline (``autotune.estimator.speed``) add them up.
+(``autotune.estimator.analytical``) and the roofline (``autotune.estimator.speed``) add them up,
+and the traced estimator's peak (``TraceStep``, ``autotune.estimator.traced``).
 
 The estimator fills a step with plain training's figures (no technique used), then calls every
-registered technique's hook in registry order (``Technique.memory``, ``Technique.moments``,
-``Technique.speed``); each hook adds or removes its own bytes or seconds, and the estimator
-sums what the step holds at each moment. The formulas several techniques share (the bytes a
-checkpointed layer's saved ops keep, ZeRO's and FSDP2's held states) stay in
-``autotune.estimator`` and reach the terms through ``MemoryStep.formulas``, so that nothing
-under ``trials/`` imports the estimator.
+registered technique's hook in registry order (``Technique.memory``, ``Technique.moments``;
+``Technique.operators``, ``Technique.kernels``, ``Technique.speed``;
+``Technique.traced_states``, ``Technique.traced_activations``); each hook adds or removes its
+own bytes or seconds, and the estimator sums what the step holds at each moment. The formulas
+several techniques share (the bytes a checkpointed layer's saved ops keep, ZeRO's and FSDP2's
+held states, adapters' activations) stay in ``autotune.estimator`` and reach the terms through
+``step.formulas``, so that nothing under ``trials/`` imports the estimator.
 """
 
 from __future__ import annotations
@@ -42,6 +44,11 @@ class Formulas(Protocol):
         self, st: Any, config: Config, n: int, moment: str, accum: int, cuda: bool
     ) -> dict[str, int]:
         """What an FSDP2 rank holds by role at a moment."""
+        ...
+
+    def adapter_activation_bytes(self, st: Any, config: Config, tokens: int) -> int:
+        """What LoRA/DoRA adapters keep for backward beside (or spare of) their frozen base's
+        activations, over ``tokens`` positions."""
         ...
 
 
@@ -130,14 +137,21 @@ class MemoryStep:
 @dataclass
 class SpeedStep:
     """One step's seconds on one GPU as the roofline (``autotune.estimator.speed``) prices
-    plain training, per micro-batch unless said otherwise. Two passes of the terms, in registry
-    order: ``Technique.kernels`` changes what a micro-batch runs (``recompute_share`` and
-    ``recompute_compute``: the forward run again in backward; ``elementwise_passes``: fused
-    element-wise work; ``ops_factor``: the operators launched; ``per_tensor_ops``: launches per
-    parameter tensor of the optimizer step), after which the forward and backward times are
-    final; ``Technique.speed`` adds what overlaps them or comes on top (``comm_micro_exposed``,
-    ``comm_step``: communication not hidden; ``offload``: host copies and a host step, per step;
-    ``activation_copies``: activations to the host and back, per step)."""
+    plain training, per micro-batch unless said otherwise. Three passes of the terms, in
+    registry order: ``Technique.operators`` changes what plain training's operators are
+    (``weight_bytes`` a matmul reads per weight, a ``frozen`` base without weight gradients,
+    the attention kernel's ``attn_fwd``/``attn_bwd``, ``dequant``: weights dequantised per use)
+    and the optimizer step's work (``step_bytes`` per parameter, ``trainable`` values and
+    ``tensors`` stepped, ``per_tensor_ops``, ``flat_partitions``, ``optimizer_on_device``), after
+    which the estimator prices the matmuls (``fwd_mm``, ``bwd_mm``); ``Technique.kernels``
+    changes what a micro-batch runs (``recompute_share`` and ``recompute_compute``: the forward
+    run again in backward; ``elementwise_passes``: fused element-wise work; ``ops_factor``: the
+    operators launched; ``per_tensor_ops``: launches per parameter tensor of the optimizer
+    step), after which the forward and backward times are final; ``Technique.speed`` adds what
+    overlaps them or comes on top (``comm_micro_exposed``, ``comm_step``: communication not
+    hidden; ``offload``: host copies and a host step, per step; ``activation_copies``:
+    activations to the host and back, per step; ``optimizer_extra``: the step's own extra
+    passes)."""
 
     config: Config
     stats: Any  # autotune.models.ModelStats
@@ -153,14 +167,32 @@ class SpeedStep:
     pcie: float  # host link bytes/s reached
     link: float  # GPU-to-GPU bytes/s reached by the collectives
     layer_act_bytes: int  # what one layer keeps for backward
-    fwd_mm: float
-    bwd_mm: float
-    attn_fwd: float
-    attn_bwd: float
-    dequant: float  # forward and backward
     elementwise_passes: float
     offloaded_activations: int  # bytes per micro-batch moved to the host and back
-    # --- first pass: the kernels -----------------------------------------------------------
+    #: the data has variable-length rows (packed or padded: attention is given a mask)
+    documents: bool
+    mm_params: int  # the matmuls' weights a token meets (the linears, the LM head)
+    #: the attention products' forward FLOPs, every score computed (QK^T and PV)
+    attn_flops: float
+    #: the attention products as plain math (every score computed, backward twice the
+    #: forward) until a kernel's term replaces them
+    attn_fwd: float
+    attn_bwd: float
+    weight_bytes: int  # a matmul's bytes read per weight
+    trainable: int  # values the optimizer steps on this GPU
+    tensors: int  # tensors the optimizer steps
+    # --- first pass: the operators ----------------------------------------------------------
+    #: the base's weights take no gradient (only the inputs' gradients are computed)
+    frozen: bool = False
+    dequant: float = 0.0  # forward and backward
+    step_bytes: int = 0  # bytes per trainable value the optimizer's step moves on the device
+    #: the step runs over flat partitions (one launch per partition, not per tensor)
+    flat_partitions: bool = False
+    optimizer_on_device: bool = True
+    # --- the matmuls, priced once the operators are known ----------------------------------
+    fwd_mm: float = 0.0
+    bwd_mm: float = 0.0
+    # --- second pass: the kernels ----------------------------------------------------------
     recompute_share: float = 0.0
     recompute_compute: float = 0.0
     ops_factor: float = 1.0
@@ -170,6 +202,7 @@ class SpeedStep:
     comm_step: float = 0.0
     offload: float = 0.0
     activation_copies: float = 0.0
+    optimizer_extra: float = 0.0  # seconds the optimizer's step spends beyond its bytes
 
     @property
     def elementwise(self) -> float:
@@ -195,3 +228,47 @@ class SpeedStep:
             + self.recompute_compute
             + self.recompute_memory
         )
+
+
+#: the model states of the traced estimator's one unsharded process
+TRACED_STATES = ("parameters", "gradients", "optimizer_states")
+
+
+@dataclass
+class TraceStep:
+    """The traced estimator's peak (``autotune.estimator.traced``): one unsharded fake process
+    ran the step, and the terms combine its trace with what it cannot run. ``parts``: the
+    trace's figures by role at its peak (no prefix), at the peak after a backward pass's first
+    gradient hook (``hook:``), at that hook (``first_hook:``) and in backward before it
+    (``bwd:``). Two passes, in registry order: ``Technique.traced_states`` takes the model
+    states the one process could not hold (ZeRO's, FSDP2's shards, adapters over a frozen base)
+    from the formulas beside the trace's moment they meet, and says so (``taken``; else the
+    estimator swaps the trace's states for the formula's where ``states.replaces_trace``);
+    ``Technique.traced_activations`` corrects what the fake step kept that the real one does
+    not (or the reverse)."""
+
+    config: Config
+    stats: Any  # autotune.models.ModelStats
+    formulas: Formulas
+    states: Any  # autotune.estimator.states.ModelStates
+    nproc: int
+    accum: int
+    cuda: bool
+    tokens: int  # the largest micro-batch's positions
+    parts: Mapping[str, int]
+    roles: tuple[str, ...]  # the breakdown's roles (``autotune.estimator.base.PARTS``)
+    peak: int
+    breakdown: dict[str, int]
+    notes: list[str]
+    #: the analytical estimator's peak for a config of the same workload
+    analytical_peak: Callable[[Config], int]
+    taken: bool = False
+
+    def net(self, prefix: str = "") -> tuple[int, dict[str, int]]:
+        """A traced peak (``prefix`` as in ``parts``) and its breakdown, less the trace's
+        model states."""
+        breakdown = {k: self.parts[prefix + k] for k in self.roles}
+        peak = self.parts[prefix + "peak"]
+        for k in TRACED_STATES:
+            peak -= breakdown.pop(k)
+        return peak, breakdown

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from trials.techniques.base import Config, Knob, Run, Technique
 
 if TYPE_CHECKING:
-    from trials.techniques.terms import MemoryStep, SpeedStep
+    from trials.techniques.terms import MemoryStep, SpeedStep, TraceStep
 
 
 def runs_deepspeed(config: Config) -> bool:
@@ -30,6 +30,7 @@ def partitions_params(config: Config) -> bool:
 
 class Zero(Technique):
     family = "zero"
+    untraced = ("zero_stage",)  # by formula beside the trace
     knobs = (
         Knob(
             "zero_stage",
@@ -42,6 +43,19 @@ class Zero(Technique):
 
     def deepspeed(self, config: Config, run: Run) -> dict[str, Any]:
         return {"zero_optimization": {"stage": zero_stage(config)}}
+
+    def model_in_16_bits(self, config: Config) -> bool:
+        return runs_deepspeed(config)  # DeepSpeed's engine keeps a 16-bit model, any stage
+
+    def operators(self, step: SpeedStep) -> None:
+        # stages 1-3 step this rank's shard of the states, over DeepSpeed's flat partitions,
+        # and write the 16-bit copy of the updated weights
+        if zero_stage(step.config) < 1:
+            return
+        step.trainable = step.stats.n_params // step.nproc
+        step.flat_partitions = True
+        if step.half:
+            step.step_bytes += 2
 
     def speed(self, step: SpeedStep) -> None:
         # communication over the GPUs' link, ring algorithms: stage 0 (and data parallelism
@@ -88,6 +102,51 @@ class Zero(Technique):
             return step.formulas.zero_states_at(phases, moment, step.accum)
 
         step.held = held
+
+    def traced_states(self, step: TraceStep) -> None:
+        # the trace ran one unsharded process. Its activations and logits stay; the model
+        # states are what DeepSpeed holds during the backward pass (the formula's), unless the
+        # end of backward (its buffers of the backward pass) or the optimizer step, with no
+        # activation left, hold more
+        phases = step.states.phases
+        if phases is None:
+            return
+        step.taken = True
+        at, accum = step.formulas.zero_states_at, step.accum
+        peak, breakdown = step.net()
+        held = at(phases, "start of backward", accum)
+        # at the first gradient hook, what fires it (and ZeRO 1-2's bucket) beside what the
+        # trace held then; from then on, the bucket beside the trace's later peak
+        for prefix, moment in (
+            ("first_hook:", "first gradient hook"),
+            ("hook:", "after the first gradient hook"),
+        ):
+            hook_peak, hook = step.net(prefix)
+            hooked = at(phases, moment, accum)
+            if hook_peak + sum(hooked.values()) > peak + sum(held.values()):
+                peak, breakdown, held = hook_peak, hook, hooked
+        if phases.overflow:
+            # ZeRO-2 under offload: the first reduction in backward, with what the trace held
+            # at the first hook scaled to the layers whose backward is still to come
+            held_share = phases.overflow_held
+            hook_peak, hook = step.net("first_hook:")
+            over = at(phases, "bucket overflow", accum)
+            if int(hook_peak * held_share) + sum(over.values()) > peak + sum(held.values()):
+                breakdown = {k: int(v * held_share) for k, v in hook.items()}
+                peak, held = sum(breakdown.values()), over
+        stateful = [
+            at(phases, moment, accum)
+            for moment in ("end of backward", "accumulation boundary", "optimizer step")
+        ]
+        alone = max(stateful, key=lambda part: sum(part.values()))
+        if sum(alone.values()) > peak + sum(held.values()):
+            peak, breakdown = sum(alone.values()), dict.fromkeys(step.roles, 0)
+            breakdown.update(alone)
+        else:
+            peak += sum(held.values())
+            breakdown["temporaries"] += held.pop("temporaries")
+            breakdown.update(held)
+        step.peak, step.breakdown = peak, {k: breakdown.get(k, 0) for k in step.roles}
 
 
 TECHNIQUE = Zero()
