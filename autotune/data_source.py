@@ -517,6 +517,24 @@ def ready(
                         "than when the study was made; use another --study-name")  # fmt: skip
 
 
+def moved_to(data: dict[str, Any] | None, source: str, study_name: str) -> dict[str, Any]:
+    """``resume``/``worker`` ``--data``: the study's data found at ``source`` (it moved): its
+    settings' ``data`` reading from there when the bytes hash to the study's SHA-256; else one
+    line (nothing is written)."""
+    if not data:
+        raise UserError(f"study '{study_name}' was made on synthetic data (no --data): --data "
+                        "names where a study's dataset has moved to")  # fmt: skip
+    path = locate(source)
+    sha = content_sha256(path)[0]
+    if sha != data["sha256"]:
+        raise UserError(f"--data {printable(source)} is not the study's data: sha256 "
+                        f"{sha[:12]}..., the study's {data['sha256'][:12]}... (made on "
+                        f"{data['source']}); nothing was run")  # fmt: skip
+    if path.is_file():
+        _CHECKED[_stat_key(path)] = sha
+    return {**data, "source": str(path), "given": source}
+
+
 def _documents_again(data: dict[str, Any], path: Path, study_name: str) -> list[list[int]]:
     tokenizer, _ = load_tokenizer(data["tokenizer"], data["tokenizer"])
     if tokenizer_sha256(tokenizer) != data["tokenizer_sha256"]:

@@ -15,7 +15,9 @@ How a verdict is reached depends on the configuration's fidelity class
   cached per model family (``~/.cache/autotune/probes``), so each combination runs once. A study
   of a pretrained model (``--model`` a model folder) probes the checkpoint itself (or its first
   layers, ``pretrained_slice``) at the study's learning rate: the fine-tuning failure of lossy
-  numerics (updates below the weights' resolution, lost) shows only there.
+  numerics (updates below the weights' resolution, lost) shows only there. A study on the
+  user's dataset (``--data``) probes on its documents (``probe_documents``): seed 0 trains on
+  the trial's documents in the trials' order, every other seed on a seeded shuffle of them.
 * **adapters** (LoRA on a frozen, quantized base) train a different problem: no verdict, and the
   selector keeps them in their own class.
 
@@ -36,6 +38,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from autotune.data_source import DOCUMENTS_DIR, documents_path
 from autotune.model_source import folder_identity
 from autotune.runner import TrialRunner
 from trials.spec import TrialSpec
@@ -50,6 +53,8 @@ PROXY_HEADS = 4
 PROXY_VOCAB = 512  # the synthetic data uses the first 256 ids (trials/data.py)
 PROXY_SEQ = 32
 PROXY_BATCH = 8
+#: a probe on the user's data trains on each document's first tokens, up to this many
+PROBE_DATA_SEQ = 128
 #: a pretrained model's probe keeps its first layers up to about this many parameters
 PRETRAINED_PROBE_PARAMS = 30_000_000
 #: the final loss of a probe: the mean over the last tenth of its steps (at least this many)
@@ -153,6 +158,33 @@ class ProbeSettings:
     seeds: int
     lr: float
     backend: str  # where probes train: cpu or cuda (the study's trial backend)
+    #: the study's dataset (``StudySettings.data``): probes train on its documents; None:
+    #: on synthetic progressions
+    data: dict[str, Any] | None = None
+    seq_len: int = PROXY_SEQ  # the study's; a probe on the data cuts documents to it
+
+
+def probe_documents(data: dict[str, Any], seed: int) -> dict[str, Any]:
+    """A probe's ``TrialSpec.data``: the study's documents file (``ready`` wrote it) for seed 0,
+    in the trials' own order; for another seed a file of the same documents in a seeded shuffle
+    (beside it, named by the study's file and the seed). The probe's shorter sequence cuts each
+    document as a trial's does (``trials.data.DatasetDocuments``)."""
+    import random
+
+    from trials.user_data import load_store, write_documents
+
+    study_file = documents_path(data)
+    if not seed:
+        return {"file": str(study_file), "sha256": data["documents_sha256"],
+                "order": data["order"]}  # fmt: skip
+    store = load_store(str(study_file), data["documents_sha256"])
+    positions = list(range(len(store)))
+    random.Random(seed).shuffle(positions)
+    documents = [store.document(i).tolist() for i in positions]
+    name = f"probe-{data['documents_sha256'][:16]}-seed{seed}.bin"
+    target = (DOCUMENTS_DIR / name).resolve()
+    sha = write_documents(target, documents)
+    return {"file": str(target), "sha256": sha, "order": [len(d) for d in documents]}
 
 
 _CACHE_LOCK = threading.Lock()
@@ -195,6 +227,13 @@ class Prober:
         self.family = model_family(model_config)
         if weights:  # the cache is per checkpoint (a retrained one is another model)
             self.family += "-" + hashlib.sha256(folder_identity(weights).encode()).hexdigest()[:8]
+        data = settings.data
+        self.seq_len = PROXY_SEQ
+        if data:  # the data's token ids: the whole vocabulary, the documents' first tokens
+            self.proxy["vocab_size"] = model_config["vocab_size"]
+            longest = int(self.proxy.get("max_position_embeddings", PROBE_DATA_SEQ))
+            self.seq_len = min(settings.seq_len, PROBE_DATA_SEQ, longest)
+            self.family += f"-data-{data['documents_sha256'][:8]}-seq{self.seq_len}"
         self.settings = settings
         self.runner = runner
         self.path = _cache_dir() / f"{self.family}.json"
@@ -202,9 +241,10 @@ class Prober:
         self.say: Callable[[str], None] | None = None
 
     def _proxy_name(self) -> str:
+        on = f" on {Path(self.settings.data['source']).name}" if self.settings.data else ""
         if self.weights:
-            return f"pretrained weights ({self.proxy['num_hidden_layers']} layers)"
-        return f"{PROXY_LAYERS}x{PROXY_HIDDEN} proxy"
+            return f"pretrained weights ({self.proxy['num_hidden_layers']} layers){on}"
+        return f"{PROXY_LAYERS}x{PROXY_HIDDEN} proxy{on}"
 
     def _key(self, numerics: dict[str, str], seed: int) -> str:
         s = self.settings
@@ -240,10 +280,11 @@ class Prober:
         cached = self._load().get(key)
         if cached is not None and cached.get("losses"):
             return cached["losses"], ""
+        data = probe_documents(self.settings.data, seed) if self.settings.data else None
         spec = TrialSpec(
             model_config=self.proxy,
             config={**numerics, **TECHNIQUES.probe_plain(PROXY_BATCH)},
-            seq_len=PROXY_SEQ,
+            seq_len=self.seq_len,
             global_batch_size=PROXY_BATCH,
             budget_bytes=None,
             backend="cuda" if self.settings.backend == "cuda" else "cpu",
@@ -252,6 +293,8 @@ class Prober:
             seed=seed,
             lr=self.settings.lr,
             weights=self.weights,
+            documents=[min(data["order"]), max(data["order"])] if data else None,
+            data=data,
         )
         name = "probe-" + hashlib.sha256(key.encode()).hexdigest()[:10]
         if self.say is not None:
@@ -274,7 +317,7 @@ class Prober:
         what = (
             f"proxy {self.family} {PROXY_LAYERS}x{PROXY_HIDDEN}, {s.steps} steps x {s.seeds} seeds"
         )
-        if self.weights:
+        if self.weights or s.data:
             what = f"{self._proxy_name()}, {s.steps} steps x {s.seeds} seeds at lr {s.lr:g}"
         diffs, refs = [], []
         for seed in range(s.seeds):

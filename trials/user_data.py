@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -42,7 +44,8 @@ def write_documents(path: Path, documents: list[list[int]]) -> str:
     offsets[1:] = np.cumsum([len(d) for d in documents])
     tokens = np.fromiter((t for d in documents for t in d), dtype="<i4", count=int(offsets[-1]))
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
+    # a writer's own temporary file: probes of several threads or processes may write one file
+    tmp = path.with_name(f"{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
     with tmp.open("wb") as f:
         f.write(MAGIC)
         f.write(np.array([len(documents)], dtype="<i8").tobytes())

@@ -18,6 +18,7 @@ import optuna
 
 from autotune.backends import backend_named
 from autotune.commands.output import console, resume_hint
+from autotune.data_source import moved_to
 from autotune.data_source import ready as data_ready
 from autotune.display import ladder_table
 from autotune.errors import EnvironmentFailure
@@ -224,6 +225,8 @@ def _prober(settings: StudySettings, real: TrialRunner) -> tuple[Prober | None, 
         seeds=settings.probe_seeds,
         lr=settings.lr,
         backend=backend.device,
+        data=settings.data,
+        seq_len=settings.seq_len,
     )
     # a local CPU study trains its probes in this process: a probe's proxy trains in seconds,
     # a job process would spend most of its time importing torch and transformers
@@ -310,6 +313,16 @@ def climb(study: optuna.Study, trial_timeout: float, storage_url: str) -> None:
     winner = select(study).winner
     if winner is not None and climbed.target is not None and winner.number != climbed.target.number:
         console.print(f"[yellow]the winner is now trial {winner.number}[/yellow]")
+
+
+def follow_data(study: optuna.Study, source: str | None) -> None:
+    """``--data`` of ``resume``/``worker``: the study's dataset at its new place (the same
+    bytes), stored with the study; other bytes are one line, nothing written."""
+    if source is None:
+        return
+    settings = settings_of(study)
+    settings.data = moved_to(settings.data, source, study.study_name)
+    study.set_user_attr("settings", settings.to_attrs())
 
 
 def relaunch(study: optuna.Study, given: dict[str, Any]) -> StudySettings:

@@ -96,15 +96,26 @@ launcher_option = click.option(
 )
 
 
+data_moved_option = click.option(
+    "--data",
+    "data",
+    default=None,
+    help="Where the study's dataset is now, when it has moved: accepted when its bytes are the "
+    "study's (the same SHA-256), and stored with the study.",
+)
+
+
 def controller_options(f: Any) -> Any:
-    """What ``resume`` and ``worker`` share: the study by name, its storage, the time limits and
-    the launcher (``--launcher`` and, with ``LaunchingCommand``, each launcher's options)."""
+    """What ``resume`` and ``worker`` share: the study by name, its storage, the time limits,
+    where its dataset has moved (``--data``) and the launcher (``--launcher`` and, with
+    ``LaunchingCommand``, each launcher's options)."""
     for option in reversed(
         [
             click.option("--study", "study_name", required=True),
             storage_option,
             trial_timeout_option,
             timeout_option,
+            data_moved_option,
             launcher_option,
         ]
     ):

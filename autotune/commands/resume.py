@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from autotune.commands.controller import climb, optimize, relaunch
+from autotune.commands.controller import climb, follow_data, optimize, relaunch
 from autotune.commands.options import LaunchingCommand, controller_options
 from autotune.commands.output import answer, console
 from autotune.data_source import ready as data_ready
@@ -35,6 +35,7 @@ def resume(
     storage: str,
     trial_timeout: float,
     timeout: float | None,
+    data: str | None,
     ladder: bool,
     table: bool,
     **launcher: Any,
@@ -44,6 +45,7 @@ def resume(
     Slurm jobs that a stopped controller left queued or running are collected into their
     trials (``--trials 0``: only that)."""
     study = load_existing(open_storage(storage, must_exist=True), study_name)
+    follow_data(study, data)  # the same bytes at their new place, or stop
     data_ready(settings_of(study).data, study_name, needs_file=False)  # the same data, or stop
     settings = relaunch(study, launcher)
     console.print(f"resuming study '{study_name}': {len(study.trials)} trials so far", markup=False)

@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from autotune.backends import backend_named
-from autotune.commands.controller import optimize, relaunch
+from autotune.commands.controller import follow_data, optimize, relaunch
 from autotune.commands.options import LaunchingCommand, controller_options
 from autotune.commands.output import answer, console
 from autotune.data_source import ready as data_ready
@@ -36,6 +36,7 @@ def worker(
     n_trials: int,
     trial_timeout: float,
     timeout: float | None,
+    data: str | None,
     **launcher: Any,
 ) -> None:
     """Draw trials from an existing study; run one per machine, or several, at once.
@@ -44,6 +45,7 @@ def worker(
     storage (PostgreSQL across machines; SQLite for workers on one machine).
     """
     study = load_existing(open_storage(storage, must_exist=True), study_name)
+    follow_data(study, data)  # the same bytes at their new place, or stop
     data_ready(settings_of(study).data, study_name, needs_file=False)  # the same data, or stop
     settings = relaunch(study, launcher)
     if (
