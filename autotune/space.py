@@ -3,8 +3,10 @@
 A space is resolved once per study against the global batch (micro-batch sizes that don't
 divide it go) and the hardware (choices it can't run go, with the reason). Sampling walks the
 dimensions in order; a dimension whose ``when`` does not hold is absent, and a ``forbid`` rule
-narrows the last dimension it names. A narrowed dimension is suggested under its own parameter
-name (``micro_batch_size|1/2/4``) because Optuna distributions must not change between trials.
+narrows the last dimension it names. Both come from the file and, inherited, from the
+registered techniques (``Technique.whens``, ``Technique.forbids``). A narrowed dimension is
+suggested under its own parameter name (``micro_batch_size|1/2/4``) because Optuna
+distributions must not change between trials.
 """
 
 from __future__ import annotations
