@@ -3,8 +3,10 @@
 A space is resolved once per study against the global batch (micro-batch sizes that don't
 divide it go) and the hardware (choices it can't run go, with the reason). Sampling walks the
 dimensions in order; a dimension whose ``when`` does not hold is absent, and a ``forbid`` rule
-narrows the last dimension it names. A narrowed dimension is suggested under its own parameter
-name (``micro_batch_size|1/2/4``) because Optuna distributions must not change between trials.
+narrows the last dimension it names. Both come from the file and, inherited, from the
+registered techniques (``Technique.whens``, ``Technique.forbids``). A narrowed dimension is
+suggested under its own parameter name (``micro_batch_size|1/2/4``) because Optuna
+distributions must not change between trials.
 """
 
 from __future__ import annotations
@@ -104,6 +106,7 @@ class SearchSpace:
             values = tuple(_check_value(name, c, f"{where}.choices", bad) for c in choices)
             when = _conditions(spec.get("when", {}), f"{where}.when", dims, bad)
             dims.append(Dimension(name, values, when))
+        dims = _inherited_whens(dims, bad)
 
         by_name = {d.name: d for d in dims}
         rules = []
@@ -370,6 +373,41 @@ def _inherited(
             )
         seen.add(_meaning(rule))
         out.append(rule)
+    return out
+
+
+def _inherited_whens(dims: list[Dimension], bad: Callable[[str], UserError]) -> list[Dimension]:
+    """The dimensions with the registered techniques' conditions on their presence
+    (``Technique.whens``) added to the ``when`` the file writes (every one must hold; a
+    condition on a dimension the file's ``when`` names too keeps the values both list), each
+    narrowed to the space's choices. A condition on a dimension the space lacks holds when that
+    dimension's baseline is listed (it keeps its baseline) and is left out; otherwise, or where
+    none of the listed values is a choice, the dimension would never exist: the space is
+    refused, as it is when the condition's dimension is declared after the one it governs."""
+    order = [d.name for d in dims]
+    by_name = {d.name: d for d in dims}
+    plain = TECHNIQUES.baseline()
+    out = []
+    for d in dims:
+        when = dict(d.when)
+        for rule in TECHNIQUES.whens():
+            if rule.dimension != d.name:
+                continue
+            for dim, values in rule.conditions.items():
+                needs = f"'{d.name}' exists only where {_described({dim: values})} ({rule.why})"
+                if dim not in by_name:
+                    if dim in plain and plain[dim] in values:
+                        continue
+                    raise bad(f"{needs}: add '{dim}' to the space, before '{d.name}'")
+                if order.index(dim) > order.index(d.name):
+                    raise bad(f"{needs}: declare '{dim}' before '{d.name}'")
+                narrowed = tuple(v for v in values if v in by_name[dim].choices)
+                if dim in when:
+                    narrowed = tuple(v for v in when[dim] if v in narrowed)
+                if not narrowed:
+                    raise bad(f"{needs}: no choice of '{dim}' it can exist with")
+                when[dim] = narrowed
+        out.append(Dimension(d.name, d.choices, when))
     return out
 
 

@@ -1,7 +1,8 @@
-"""The techniques' rules: declared in their modules, inherited by every search space, refused by
-the job. The bundled spaces state only their own choices; sampled and enumerated, they give the
-configurations ``tests/data/space_record.json`` recorded when the same rules were written out in
-each YAML file (the grid's size and digest, and a seeded TPE study's 25 trials)."""
+"""The techniques' rules and conditions: declared in their modules, inherited by every search
+space, refused by the job. The bundled spaces state only their dimensions, choices and own rules;
+sampled and enumerated, they give the configurations ``tests/data/space_record.json`` recorded
+when the same rules and ``when`` conditions were written out in each YAML file (the grid's size
+and digest, and a seeded TPE study's 25 trials)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from autotune.yaml_limits import parse_yaml
 from tests.conftest import tiny_spec
 from trials.hardware import Hardware
 from trials.job import run_trial
-from trials.techniques import TECHNIQUES, Forbid, Knob, Technique
+from trials.techniques import TECHNIQUES, Forbid, Knob, Technique, When
 
 RECORD = json.loads((Path(__file__).parent / "data" / "space_record.json").read_text())
 HARDWARE = {
@@ -62,9 +63,12 @@ def grid_cases(large: bool) -> list[Any]:
 
 
 def check_grid(case: dict[str, Any]) -> None:
-    grid = resolved(case).grid()
+    assert recorded_as(resolved(case).grid(), case)
+
+
+def recorded_as(grid: list[dict[str, Any]], case: dict[str, Any]) -> bool:
     digest = hashlib.sha256(json.dumps(grid, sort_keys=True).encode()).hexdigest()
-    assert (len(grid), digest) == (case["size"], case["sha256"])
+    return (len(grid), digest) == (case["size"], case["sha256"])
 
 
 @pytest.mark.parametrize("case", grid_cases(large=False))
@@ -78,6 +82,47 @@ def test_the_default_feasible_space_is_the_one_the_written_rules_gave(
     case: dict[str, Any],
 ) -> None:
     check_grid(case)
+
+
+def check_minimal_file(case: dict[str, Any], tmp_path: Path) -> None:
+    """A user's --space file naming the bundled space's dimensions and choices and nothing else
+    (no ``when``, no rule): its grid, less the configurations the bundled file's own rules
+    forbid (filtered here by hand), is the grid recorded when the bundled file wrote every
+    condition out."""
+    raw = yaml.safe_load(
+        resources.files("search_spaces").joinpath(f"{case['space']}.yaml").read_text()
+    )
+    minimal = {"dimensions": {k: {"choices": v["choices"]} for k, v in raw["dimensions"].items()}}
+    path = tmp_path / "space.yaml"
+    path.write_text(yaml.safe_dump(minimal, sort_keys=False))
+    space = SearchSpace.load(path).resolve(
+        case["global_batch"], HARDWARE[case["hardware"]], documents=case["documents"]
+    )
+    own = [
+        {k: v if isinstance(v, list) else [v] for k, v in r["forbid"].items()}
+        for r in raw.get("rules") or []
+    ]
+    grid = [
+        c
+        for c in space.grid()
+        if not any(all(k in c and c[k] in vals for k, vals in rule.items()) for rule in own)
+    ]
+    assert recorded_as(grid, case)
+
+
+@pytest.mark.parametrize("case", grid_cases(large=False))
+def test_a_minimal_space_file_gets_the_conditions_the_bundled_file_wrote(
+    case: dict[str, Any], tmp_path: Path
+) -> None:
+    check_minimal_file(case, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", grid_cases(large=True))
+def test_a_minimal_default_space_file_gets_the_conditions_the_bundled_file_wrote(
+    case: dict[str, Any], tmp_path: Path
+) -> None:
+    check_minimal_file(case, tmp_path)
 
 
 @pytest.mark.parametrize("case", RECORD["studies"], ids=case_id)
@@ -114,8 +159,9 @@ def _within(a: dict[str, set[Any]], b: dict[str, set[Any]]) -> bool:
 
 
 def test_a_space_file_without_rules_inherits_the_techniques_rules() -> None:
-    """fp16 and the step in backward, FSDP2 and quantized weights: a --space file that names the
-    dimensions and no rule never gets these combinations (enumerated by hand below)."""
+    """fp16 and the step in backward, fp16 and FSDP2, FSDP2 only without the step in backward:
+    a --space file that names the dimensions, no rule and no condition never gets these
+    combinations (enumerated by hand below; None: the dimension is absent)."""
     space = SearchSpace.from_dict(
         {
             "dimensions": {
@@ -126,15 +172,69 @@ def test_a_space_file_without_rules_inherits_the_techniques_rules() -> None:
         }
     )
     got = sorted(
-        (c["precision"], c["optimizer_in_backward"], c["fsdp"])
+        (c["precision"], c["optimizer_in_backward"], c.get("fsdp"))
         for c in space.resolve(8, Hardware("cpu")).grid()
     )
     assert got == [
         ("fp16", False, "off"),
         ("fp32", False, "full_shard"),
         ("fp32", False, "off"),
-        ("fp32", True, "off"),
+        ("fp32", True, None),
     ]
+
+
+def test_a_file_adds_its_own_when_to_the_inherited_conditions() -> None:
+    """offload_optimizer exists only under ZeRO 1-3 (its module's condition); the file narrows
+    it to stage 3; zero_stage exists only without FSDP2 (FSDP2's condition)."""
+    space = SearchSpace.from_dict(
+        {
+            "dimensions": {
+                "fsdp": {"choices": ["off", "full_shard"]},
+                "zero_stage": {"choices": [0, 2, 3]},
+                "offload_optimizer": {"choices": ["none", "cpu"], "when": {"zero_stage": [2, 3]}},
+                "offload_param": {"choices": ["none", "cpu"], "when": {"zero_stage": [0, 3]}},
+            }
+        }
+    )
+    got = sorted(
+        tuple(str(c.get(k)) for k in ("fsdp", "zero_stage", "offload_optimizer", "offload_param"))
+        for c in space.grid()
+    )
+    assert got == [
+        ("full_shard", "None", "None", "None"),
+        ("off", "0", "None", "None"),
+        ("off", "2", "cpu", "None"),
+        ("off", "2", "none", "None"),
+        ("off", "3", "cpu", "cpu"),
+        ("off", "3", "cpu", "none"),
+        ("off", "3", "none", "cpu"),
+        ("off", "3", "none", "none"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("dimensions", "message"),
+    [
+        (
+            {"offload_param": ["none", "cpu"]},
+            "'offload_param' exists only where zero_stage is 3 .*: add 'zero_stage' to the space",
+        ),
+        (
+            {"zero_stage": [0, 2], "fsdp": ["off", "full_shard"]},
+            "'zero_stage' exists only where fsdp is off .*: declare 'fsdp' before 'zero_stage'",
+        ),
+        (
+            {"compile": [True], "fsdp": ["off", "full_shard"]},
+            "'fsdp' exists only where compile is False .*: no choice of 'compile'",
+        ),
+    ],
+    ids=["missing", "declared-after", "never"],
+)
+def test_a_space_where_a_condition_cannot_hold_is_refused_in_one_line(
+    dimensions: dict[str, list[Any]], message: str
+) -> None:
+    with pytest.raises(UserError, match=message):
+        SearchSpace.from_dict({"dimensions": {k: {"choices": v} for k, v in dimensions.items()}})
 
 
 def test_the_dimension_declared_last_loses_and_a_file_adds_its_own_rules() -> None:
@@ -208,14 +308,41 @@ def test_a_new_techniques_rule_reaches_the_space_and_the_job() -> None:
         run_trial(tiny_spec({"precision": "fp32", "toy_rule": "on"}, measured_steps=1))
 
 
+class _ToyEngine(Technique):
+    """A technique defined here alone: a dimension whose presence picks a way of training that
+    exists only with fp32 (as ``zero_stage`` picks DeepSpeed)."""
+
+    family = "toy_engine"
+    knobs = (Knob("toy_engine", ("a", "b")),)
+    whens = (When("toy_engine", {"precision": "fp32"}, "toy_engine trains in fp32", job=True),)
+
+
+def test_a_new_techniques_condition_reaches_the_space_and_the_job() -> None:
+    with TECHNIQUES.extended(_ToyEngine()):
+        space = SearchSpace.from_dict(
+            {
+                "dimensions": {
+                    "precision": {"choices": ["fp32", "bf16"]},
+                    "toy_engine": {"choices": ["a", "b"]},
+                }
+            }
+        )
+        got = sorted((c["precision"], c.get("toy_engine", "")) for c in space.grid())
+        assert got == [("bf16", ""), ("fp32", "a"), ("fp32", "b")]
+        with pytest.raises(ValueError, match="toy_engine trains in fp32"):
+            run_trial(tiny_spec({"precision": "bf16", "toy_engine": "a"}, measured_steps=1))
+        assert run_trial(tiny_spec({"precision": "bf16"}, measured_steps=1)).status == "ok"
+
+
 @pytest.mark.parametrize(
     ("config", "reason"),
     [
+        ({"zero_stage": 0, "optimizer_in_backward": True}, "without DeepSpeed, which owns"),
         ({"precision": "fp16", "optimizer_in_backward": True}, "fp16's loss scaler"),
         ({"precision": "fp16", "fsdp": "full_shard"}, "fsdp runs without fp16"),
         ({"optimizer_in_backward": True, "fsdp": "full_shard"}, "without the optimizer step"),
     ],
-    ids=["fp16-in-backward", "fp16-fsdp", "in-backward-fsdp"],
+    ids=["deepspeed-in-backward", "fp16-in-backward", "fp16-fsdp", "in-backward-fsdp"],
 )
 def test_the_job_refuses_what_a_rule_says_cannot_run(config: dict[str, Any], reason: str) -> None:
     with pytest.raises(ValueError, match=reason):

@@ -296,8 +296,6 @@ class DeepSpeedEngine(Engine):
         import deepspeed
 
         cfg = spec.config
-        if steps_in_backward(cfg):
-            raise ValueError("optimizer_in_backward runs without DeepSpeed, which owns the step")
         ensure_distributed(spec.backend, deepspeed_comm=True)
         self.rank, self.world = world()
         self.ds_config = trial_deepspeed_config(spec)

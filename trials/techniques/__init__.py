@@ -41,7 +41,16 @@ from trials.techniques import (
     zero,
 )
 from trials.techniques.attention import ATTENTION
-from trials.techniques.base import FIDELITY_CLASSES, Choice, Config, Forbid, Knob, Run, Technique
+from trials.techniques.base import (
+    FIDELITY_CLASSES,
+    Choice,
+    Config,
+    Forbid,
+    Knob,
+    Run,
+    Technique,
+    When,
+)
 from trials.techniques.checkpointing import CHECKPOINTING
 from trials.techniques.optimizer import OPTIMIZERS
 from trials.techniques.precision import PRECISIONS
@@ -60,6 +69,7 @@ __all__ = [
     "Registry",
     "Run",
     "Technique",
+    "When",
     "choice_fidelity",
     "classes_up_to",
     "fidelity_class",
@@ -147,10 +157,16 @@ class Registry:
         """Every technique's rules, in registry order (the search space inherits them)."""
         return [rule for technique in self._techniques for rule in technique.forbids]
 
+    def whens(self) -> list[When]:
+        """Every technique's conditions on a dimension's presence, in registry order (the
+        search space inherits them)."""
+        return [rule for technique in self._techniques for rule in technique.whens]
+
     def refusal(self, config: Config, accumulation: int) -> str | None:
         """Why the job cannot run ``config`` with this many accumulation steps: a rule it
-        refuses (``Forbid.job``) or a choice that runs on the whole batch only
-        (``Knob.whole_batch_only``); None when it can."""
+        refuses (``Forbid.job``), a choice that runs on the whole batch only
+        (``Knob.whole_batch_only``) or a dimension present where a condition it refuses fails
+        (``When.job``); None when it can."""
         for rule in self.forbids():
             if rule.job and rule.holds(config):
                 return rule.why
@@ -161,6 +177,10 @@ class Registry:
                 and config[knob.name] in knob.whole_batch_only
             ):
                 return f"{knob.name}={config[knob.name]} needs the whole batch in one micro-batch"
+        plain = self.baseline()
+        for when in self.whens():
+            if when.job and when.broken(config, plain):
+                return when.why
         return None
 
     def complexity(self, config: Config) -> tuple[int, int]:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import weakref
 from typing import TYPE_CHECKING, Any
 
-from trials.techniques.base import Config, Knob, Run, Technique
+from trials.techniques.base import Config, Knob, Run, Technique, When
 
 if TYPE_CHECKING:
     import torch
@@ -149,6 +149,14 @@ class ActivationOffload(Technique):
             baseline="none",
             memory_order=lambda v: {"cpu": 0.0, "none": 1.0}[v],  # offloaded: less on the device
             short=lambda v: "" if v == "none" else "act-off",
+        ),
+    )
+    whens = (
+        When(
+            "activation_offload",
+            {"gradient_checkpointing": "full"},
+            "searched with full checkpointing only, as torchtune pairs them (without it every "
+            "activation would cross PCIe twice)",
         ),
     )
 

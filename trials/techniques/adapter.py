@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from trials.techniques.base import Config, Forbid, Knob, Run, Technique
+from trials.techniques.base import Config, Forbid, Knob, Run, Technique, When
 
 if TYPE_CHECKING:
     import torch
@@ -129,6 +129,13 @@ class Adapter(Technique):
             memory_order=lambda v: {"attention": 0.0, "all_linear": 1.0}[v],
             short=str,
         ),
+    )
+    whens = (
+        When("lora_rank", {"adapter": ("lora", "dora")}, "the adapters' rank"),
+        When("lora_targets", {"adapter": ("lora", "dora")}, "the layers the adapters wrap"),
+        # the adapters train under the torch engine
+        When("fsdp", {"adapter": "none"}, "FSDP2 shards the whole model, no adapters"),
+        When("zero_stage", {"adapter": "none"}, "DeepSpeed trains the whole model, no adapters"),
     )
     forbids = (
         Forbid(

@@ -147,6 +147,49 @@ class Forbid:
         return all(k in config and config[k] in v for k, v in self.choices.items())
 
 
+@dataclass(frozen=True, init=False)
+class When:
+    """A dimension that exists only where other dimensions hold one of the listed values (each
+    listed dimension's value, where a configuration lacks it, is its baseline). ``why`` says
+    what the dimension means nothing, or cannot run, without them. Every search space inherits
+    it (``autotune.space``): the dimension is sampled only where the conditions hold, as under a
+    YAML ``when``; a condition on a dimension the space lacks holds when that dimension's
+    baseline is listed (otherwise the space is refused), and the listed dimensions must be
+    declared before it. Several ``When`` of one dimension all hold. ``job``: the trial job
+    refuses a configuration that has the dimension where the conditions fail (the dimension's
+    presence itself chooses something, as ``zero_stage`` chooses the DeepSpeed engine).
+    """
+
+    dimension: str
+    conditions: Mapping[str, tuple[Choice, ...]]
+    why: str
+    job: bool
+
+    def __init__(
+        self,
+        dimension: str,
+        conditions: Mapping[str, Choice | Sequence[Choice]],
+        why: str,
+        job: bool = False,
+    ) -> None:
+        if not conditions:
+            raise ValueError("a condition names at least one other dimension")
+        as_tuples = {
+            k: tuple(v) if isinstance(v, list | tuple) else (v,) for k, v in conditions.items()
+        }
+        object.__setattr__(self, "dimension", dimension)
+        object.__setattr__(self, "conditions", as_tuples)
+        object.__setattr__(self, "why", why)
+        object.__setattr__(self, "job", job)
+
+    def broken(self, config: Config, baseline: Mapping[str, Choice]) -> bool:
+        """Whether ``config`` has the dimension where a condition fails (a dimension the config
+        lacks counts as its ``baseline``)."""
+        return self.dimension in config and not all(
+            config.get(k, baseline.get(k)) in v for k, v in self.conditions.items()
+        )
+
+
 class Technique:
     """One family of training techniques. Subclass it, give ``family`` and ``knobs``, override
     the hooks it needs, and register an instance in ``trials.techniques.TECHNIQUES``.
@@ -167,6 +210,8 @@ class Technique:
     knobs: tuple[Knob, ...] = ()
     #: the combinations it rules out (the space and the job read them through the registry)
     forbids: tuple[Forbid, ...] = ()
+    #: the dimensions (its own or others') that exist only under conditions on other ones
+    whens: tuple[When, ...] = ()
     #: whether the traced estimator applies it too (``autotune.estimator.traced``: a step under
     #: ``FakeTensorMode``, where only what works on fake tensors can run)
     traced: bool = False

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trials.techniques.base import Config, Knob, Run, Technique
+from trials.techniques.base import Config, Knob, Run, Technique, When
 from trials.techniques.zero import zero_stage
 
 #: config key -> the ``zero_optimization`` key it sets, and the stages that use it
@@ -37,6 +37,16 @@ class Buckets(Technique):
             short=lambda v: "overlap" if v else "",
         ),
         Knob("contiguous_gradients", (True, False), short=lambda v: "" if v else "noncontig"),
+    )
+    whens = (
+        When("reduce_bucket_size", {"zero_stage": (1, 2, 3)}, "ZeRO 1-3 reduce in buckets"),
+        When("allgather_bucket_size", {"zero_stage": (1, 2)}, "ZeRO 1-2 all-gather in buckets"),
+        When("overlap_comm", {"zero_stage": (2, 3)}, "ZeRO 2-3 overlap their communication"),
+        When(
+            "contiguous_gradients",
+            {"zero_stage": (2, 3)},
+            "ZeRO 2-3 copy gradients into one buffer",
+        ),
     )
 
     def deepspeed(self, config: Config, run: Run) -> dict[str, Any]:

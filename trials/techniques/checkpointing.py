@@ -15,7 +15,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from trials.techniques.base import Config, Knob, Run, Technique
+from trials.techniques.base import Config, Knob, Run, Technique, When
 
 if TYPE_CHECKING:
     import torch
@@ -130,6 +130,18 @@ class Checkpointing(Technique):
             short=lambda v: "" if v == "none" else f"save={v}",
             # more ops' outputs kept, more memory
             memory_order=lambda v: {"none": 0.0, "attention": 1.0, "matmuls": 2.0}[v],
+        ),
+    )
+    whens = (
+        When(
+            "checkpoint_every",
+            {"gradient_checkpointing": "selective"},
+            "the stride of selective checkpointing",
+        ),
+        When(
+            "checkpoint_save",
+            {"gradient_checkpointing": ("full", "selective")},
+            "the ops a checkpointed layer keeps: there must be checkpointed layers",
         ),
     )
 

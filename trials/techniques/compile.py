@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from trials.techniques.base import Config, Forbid, Knob, Run, Technique
+from trials.techniques.base import Config, Forbid, Knob, Run, Technique, When
 
 if TYPE_CHECKING:
     import torch
@@ -86,6 +86,11 @@ class Compile(Technique):
     )
     # torchao's low-bit AdamW compiles its own step (eager under the CPU tracker, counted as the
     # allocator counts it): no rule, it runs beside compiled blocks
+    #: compiled layers run under the torch engine only
+    whens = (
+        When("fsdp", {COMPILE: False}, "FSDP2 wraps the eager layers"),
+        When("zero_stage", {COMPILE: False}, "DeepSpeed wraps the eager layers"),
+    )
     forbids = (
         Forbid(
             {"quantization": ("int8", "nf4"), COMPILE: True},

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from trials.techniques.base import Config, Forbid, Knob, Run, Technique
+from trials.techniques.base import Config, Forbid, Knob, Run, Technique, When
 from trials.techniques.cross_entropy import is_chunked
 
 if TYPE_CHECKING:
@@ -108,6 +108,10 @@ class Fsdp(Technique):
             memory_order=lambda v: {"cpu": 0.0, "none": 1.0}[v],  # offloaded, less on the device
             short=lambda v: "" if v == "none" else "fsdp2-cpu-offload",
         ),
+    )
+    whens = (
+        When("fsdp_offload", {"fsdp": tuple(RESHARD)}, "FSDP2 offloads its shards"),
+        When("zero_stage", {"fsdp": "off"}, "FSDP2 and DeepSpeed are two engines: one at a time"),
     )
     forbids = (
         Forbid(

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from trials.techniques.base import Config, Forbid, Knob, Run, Technique
+from trials.techniques.base import Config, Forbid, Knob, Run, Technique, When
 from trials.techniques.zero import zero_stage
 
 if TYPE_CHECKING:
@@ -72,6 +72,14 @@ class Offload(Technique):
             requires={"cpu": _cpu_adam},
             short=lambda v: "" if v == "none" else "off-param",
         ),
+    )
+    whens = (
+        When(
+            "offload_optimizer",
+            {"zero_stage": (1, 2, 3)},
+            "DeepSpeed offloads the optimizer's partition under ZeRO 1-3",
+        ),
+        When("offload_param", {"zero_stage": 3}, "only ZeRO-3 partitions the parameters"),
     )
     forbids = (
         Forbid(

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from trials.techniques.base import Config, Forbid, Knob, Run, Technique
+from trials.techniques.base import Config, Forbid, Knob, Run, Technique, When
 
 if TYPE_CHECKING:
     import torch
@@ -99,6 +99,16 @@ class OptimizerInBackward(Technique):
             memory_order=lambda v: 0.0 if v else 1.0,
             whole_batch_only=(True,),
             short=lambda v: "opt-in-bwd" if v else "",
+        ),
+    )
+    #: the engines that own the optimizer step exist only without it
+    whens = (
+        When("fsdp", {"optimizer_in_backward": False}, "FSDP2 steps its shards itself"),
+        When(
+            "zero_stage",
+            {"optimizer_in_backward": False},
+            "optimizer_in_backward runs without DeepSpeed, which owns the step",
+            job=True,
         ),
     )
     forbids = (

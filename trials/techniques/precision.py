@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trials.hardware import needs_torchao
-from trials.techniques.base import Config, Forbid, Knob, Run, Technique
+from trials.techniques.base import Config, Forbid, Knob, Run, Technique, When
 
 if TYPE_CHECKING:
     from trials.hardware import Hardware
@@ -143,6 +143,7 @@ class MixedPrecision(Technique):
             probe_needs={"bf16": {"zero_stage": 1}},
         ),
     )
+    whens = (When("master_weights", {"precision": "bf16"}, "pure bf16 trains in bf16"),)
     forbids = (
         Forbid(
             {"offload_optimizer": "cpu", "master_weights": "bf16"},
