@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -128,17 +127,14 @@ def test_calibration_against_published_throughputs() -> None:
     assert max(errors) < 40
 
 
-def test_whole_space_scored_fast_llama70b_on_8_gpus() -> None:
+def test_whole_space_scored_llama70b_on_8_gpus() -> None:
+    """Every configuration of the space scored, and each class's best within the model's error
+    of it (how fast: ``benchmarks/estimate_speed.py``)."""
     gpu = GPUS["h100"]
     configs = estimate_space().resolve(32, hardware_for(gpu, 8)).grid()
     kw = {"seq_len": 2048, "global_batch_size": 32, "nproc": 8, "gpu": gpu}
     model = MODELS["llama-70b"].config
-    # the per-model quantities (the model built on the meta device, transformers imported: a
-    # few seconds once per model and process) come first; the bound is on scoring the space
-    score(model, configs[:1], budget_bytes=80 * 10**9, **kw)
-    t0 = time.process_time()
     scored = score(model, configs, budget_bytes=80 * 10**9, **kw)
-    assert time.process_time() - t0 < 10
     assert len(scored) == len(configs) > 1000
     per_class = best_per_class(scored)
     assert {"exact", "mixed"} <= set(per_class)

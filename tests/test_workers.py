@@ -199,10 +199,17 @@ def test_a_worker_killed_mid_trial_is_failed_and_retried_by_another(
 
     a = start(2)
     deadline = time.monotonic() + 300
-    while not any(t.state == TrialState.RUNNING for t in trials()):
+
+    # a trial is RUNNING from its first suggested parameter: wait until its whole configuration
+    # is stored (the ``config`` attribute, written once sampling is done and the job starts), so
+    # that A dies mid-trial, not mid-sampling
+    def running() -> list[optuna.trial.FrozenTrial]:
+        return [t for t in trials() if t.state == TrialState.RUNNING and "config" in t.user_attrs]
+
+    while not running():
         assert time.monotonic() < deadline and a.poll() is None, "worker A never started a trial"
         time.sleep(0.2)
-    (killed,) = [t for t in trials() if t.state == TrialState.RUNNING]
+    (killed,) = running()
     b = start(2)
     time.sleep(1)
     a.kill()
