@@ -40,6 +40,7 @@ from autotune.study import (
     TrialCrashed,
     ensure_reference,
     fail_running_trials,
+    load_existing,
     make_sampler,
     settings_of,
     storage_errors,
@@ -313,6 +314,17 @@ def climb(study: optuna.Study, trial_timeout: float, storage_url: str) -> None:
     winner = select(study).winner
     if winner is not None and climbed.target is not None and winner.number != climbed.target.number:
         console.print(f"[yellow]the winner is now trial {winner.number}[/yellow]")
+
+
+def reopen(
+    storage: str, study_name: str, data: str | None, given: dict[str, Any]
+) -> tuple[optuna.Study, StudySettings]:
+    """``resume``/``worker``: the stored study, its data where it is now (the same bytes, or
+    stop) and its settings with the launcher options given to this command."""
+    study = load_existing(open_storage(storage, must_exist=True), study_name)
+    follow_data(study, data)
+    data_ready(settings_of(study).data, study_name, needs_file=False)
+    return study, relaunch(study, given)
 
 
 def follow_data(study: optuna.Study, source: str | None) -> None:

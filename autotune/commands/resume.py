@@ -6,15 +6,13 @@ from typing import Any
 
 import click
 
-from autotune.commands.controller import climb, follow_data, optimize, relaunch
+from autotune.commands.controller import climb, optimize, reopen
 from autotune.commands.options import LaunchingCommand, controller_options
 from autotune.commands.output import answer, console
-from autotune.data_source import ready as data_ready
 from autotune.launchers import launcher_of
 from autotune.pending import PENDING_DIR
 from autotune.space import SearchSpace
-from autotune.storage import open_storage
-from autotune.study import load_existing, settings_of, workdir_for
+from autotune.study import workdir_for
 
 
 @click.command(cls=LaunchingCommand)
@@ -44,10 +42,7 @@ def resume(
 
     Slurm jobs that a stopped controller left queued or running are collected into their
     trials (``--trials 0``: only that)."""
-    study = load_existing(open_storage(storage, must_exist=True), study_name)
-    follow_data(study, data)  # the same bytes at their new place, or stop
-    data_ready(settings_of(study).data, study_name, needs_file=False)  # the same data, or stop
-    settings = relaunch(study, launcher)
+    study, settings = reopen(storage, study_name, data, launcher)
     console.print(f"resuming study '{study_name}': {len(study.trials)} trials so far", markup=False)
     # measurements an earlier run kept (``autotune.pending``) are stored by ``optimize``
     kept = any((workdir_for(study) / PENDING_DIR).glob("trial-*.json"))

@@ -8,16 +8,13 @@ from typing import Any
 import click
 
 from autotune.backends import backend_named
-from autotune.commands.controller import follow_data, optimize, relaunch
+from autotune.commands.controller import optimize, reopen
 from autotune.commands.options import LaunchingCommand, controller_options
 from autotune.commands.output import answer, console
-from autotune.data_source import ready as data_ready
 from autotune.errors import UserError
 from autotune.launchers import launcher_of
 from autotune.plan import cuda_available
 from autotune.space import SearchSpace
-from autotune.storage import open_storage
-from autotune.study import load_existing, settings_of
 
 
 @click.command(cls=LaunchingCommand)
@@ -44,10 +41,7 @@ def worker(
     Every worker runs its trials on its own machine's devices and records them in the shared
     storage (PostgreSQL across machines; SQLite for workers on one machine).
     """
-    study = load_existing(open_storage(storage, must_exist=True), study_name)
-    follow_data(study, data)  # the same bytes at their new place, or stop
-    data_ready(settings_of(study).data, study_name, needs_file=False)  # the same data, or stop
-    settings = relaunch(study, launcher)
+    study, settings = reopen(storage, study_name, data, launcher)
     if (
         backend_named(settings.backend).cuda
         and not launcher_of(settings.launcher).remote
