@@ -5,6 +5,7 @@ fields, never its name."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from autotune.errors import UserError
 from autotune.terminal import printable
@@ -21,7 +22,7 @@ class Backend:
     cuda: bool = False
 
     @property
-    def device(self) -> str:
+    def device(self) -> Literal["cpu", "cuda"]:
         """The device kind of a job of this backend (a trial's, a loss probe's)."""
         return "cuda" if self.cuda else "cpu"
 

@@ -25,6 +25,7 @@ from optuna.storages import RDBStorage
 from optuna.study._constrained_optimization import _CONSTRAINTS_KEY
 from optuna.trial import FrozenTrial, TrialState
 
+from autotune.backends import backend_named
 from autotune.data_source import check_same, spec_data
 from autotune.errors import UserError
 from autotune.lossguard import LossVerdict, Prober, judge
@@ -142,7 +143,7 @@ class StudySettings:
             seq_len=self.seq_len,
             global_batch_size=self.global_batch_size,
             budget_bytes=budget,
-            backend="cuda" if self.backend == "cuda" else "cpu",
+            backend=backend_named(self.backend).device,
             warmup_steps=self.warmup_steps,
             measured_steps=self.measured_steps,
             seed=self.seed,
