@@ -67,8 +67,11 @@ def test_a_trial_starts_from_the_pretrained_weights(config: dict[str, Any]) -> N
     # loading reads one tensor at a time into the built model: construction holds the model
     # and at most one checkpoint tensor beside it (the largest: the 512 x 64 fp32 embedding)
     one_tensor = 512 * 64 * 4
+    # ZeRO-3's set-up gathers the parameters one by one, and whether a 64 x 64 matrix's gather is
+    # still alive at the peak varies from run to run (either way, weights or not)
+    gather = 64 * 64 * 4 if config.get("zero_stage") == 3 else 0
     built = random.construction_peak_bytes
-    assert built <= result.construction_peak_bytes <= built + one_tensor
+    assert built - gather <= result.construction_peak_bytes <= built + one_tensor
 
 
 def test_a_cached_hub_id_resolves_without_a_network(
