@@ -11,11 +11,11 @@ cumulative Llama 3.2 3B table moving in the published direction. Not a test (the
 A row's configuration is checked against the estimate space (``search_spaces/estimate.yaml``).
 One the space does not propose is still priced, memory and speed, by the analytical estimator
 directly (the configuration as a trial or ``autotune estimate --config`` would run it), and says
-why the space leaves it out ("outside the estimate space"): LoRA on a bf16 base (the estimate
-space leaves the adapter dimensions out: they make its grid seven times larger), pure bf16 on the
-torch engine without compile or the step in backward (the space runs every other configuration
-under DeepSpeed or FSDP2, and DeepSpeed's stage 0 keeps fp32 masters), compile beside activation
-offloading (a space rule).
+why the space leaves it out ("outside the estimate space"): compiled LoRA on a bf16 base (the
+adapters train eagerly in the trial space, so the estimate space scores them uncompiled), pure
+bf16 on the torch engine without compile or the step in backward (the space runs every other
+configuration under DeepSpeed or FSDP2, and DeepSpeed's stage 0 keeps fp32 masters), compile
+beside activation offloading (a space rule).
 
 Published peak memory is the caching allocator's (torchtune's ``log_peak_memory_stats``):
 paged optimizer states (unified memory) are not in it, so the prediction compared is the
