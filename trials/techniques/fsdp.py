@@ -193,13 +193,25 @@ class Fsdp(Technique):
             out.update(offload_optimizer="cpu", offload_param="cpu")
         return out
 
+    def memory(self, step: MemoryStep) -> None:
+        # chunked cross-entropy's head-sized gradient buffers (autograd summing the slices'
+        # gradients of autocast's 16-bit head copy before ``.grad``) do not exist under FSDP2's
+        # bf16 policy: the slices' gradients accumulate in the gathered 16-bit head itself,
+        # which is ``fsdp_held``'s head gradient (measured on scale replicas of llama-7b:
+        # tests/test_fsdp_replica.py; in fp32 the measured ranks keep them)
+        if runs_fsdp(step.config) and step.half and step.logit_tokens < step.tokens:
+            step.bwd_logits_extra -= 2 * 2 * step.head_params
+
     def moments(self, step: MemoryStep) -> None:
         # the first block's backward (the last recomputed) apart from the root's gradients
         # reduced at the very end, when no activation is left; a rank's shards and what it
-        # gathers in each phase (``fsdp_held``)
+        # gathers in each phase (``fsdp_held``). Besides the checkpointed layers' inputs, the
+        # outputs their selective checkpointing saves (``checkpoint_save``) stay until each
+        # layer's backward (the layer in backward's own are among its recomputed activations)
         if not runs_fsdp(step.config):
             return
-        step.moments["first layer's backward"] = (0, step.bwd_layers, 0, 0)
+        saved = step.saved_kept - step.saved_kept // max(1, step.n_ckpt)
+        step.moments["first layer's backward"] = (0, step.bwd_layers + saved, 0, 0)
         step.moments["end of backward"] = (0, 0, 0, 0)
 
         def held(moment: str) -> dict[str, int]:
