@@ -1,7 +1,7 @@
 """FSDP2 with its shards offloaded, full activation checkpointing that saves the attention
 kernel's outputs, and chunked cross-entropy (the estimate's answer for llama-7b on a 24 GB card)
 on scale replicas of LLaMA that a CPU trial trains: the real step's measured peak is the oracle
-for the analytical estimator's.
+for both estimators'.
 
 The replicas keep llama-7b's decoder (SwiGLU MLP 2.69x wide, 128-wide heads) and vary what moves
 the peak: a small vocabulary against the layers (llama-7b's 32,000 against 32 layers of 4,096 is
@@ -12,11 +12,13 @@ logits and the head's gradient beside every kept activation."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from autotune.estimator.analytical import AnalyticalEstimator
+from autotune.estimator.traced import TracedEstimator
 from trials.job import run_trial
 from trials.spec import TrialSpec
 
@@ -59,8 +61,8 @@ def _llama(hidden: int, layers: int, vocab: int, mlp: int) -> dict[str, Any]:
     ],
     ids=["small-vocabulary", "large-vocabulary"],
 )
-def test_the_analytical_peak_is_the_measured_one(
-    model: dict[str, Any], seq_len: int, moment: str
+def test_both_estimators_peaks_are_the_measured_one(
+    model: dict[str, Any], seq_len: int, moment: str, tmp_path: Path
 ) -> None:
     kw: dict[str, Any] = {"seq_len": seq_len, "global_batch_size": 32}
     measured = run_trial(
@@ -81,4 +83,10 @@ def test_the_analytical_peak_is_the_measured_one(
         est.peak_bytes,
         measured.peak_bytes,
         est.breakdown,
+    )
+    traced = TracedEstimator(cache=tmp_path).estimate(model, dict(CONFIG), nproc=1, gpu=None, **kw)
+    assert abs(traced.peak_bytes - measured.peak_bytes) <= 0.03 * measured.peak_bytes, (
+        traced.peak_bytes,
+        measured.peak_bytes,
+        traced.breakdown,
     )

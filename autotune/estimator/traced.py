@@ -52,12 +52,12 @@ from trials.techniques.optimizer import (
 from trials.techniques.optimizer_in_backward import InBackward, steps_in_backward
 from trials.techniques.packing import packs
 from trials.techniques.precision import precision_of
-from trials.techniques.terms import TraceStep
+from trials.techniques.terms import TRACED_STATES, TraceStep
 
 #: the tag of storages made in host memory (offloaded activations): not on the traced device
 HOST = "host"
 
-CACHE_VERSION = 10
+CACHE_VERSION = 11
 #: kernels that can't be built here, traced as one that keeps the same tensors for backward
 #: (flash-attn and sdpa's flash kernel both keep q, k, v, the output and the log-sum-exp)
 TRACED_ATTENTION = {"flash_attention_2": "sdpa"}
@@ -94,6 +94,12 @@ class PhaseTracker(TorchDispatchMode):
         # the gradient firing it is held with
         self.first_hook_peak = 0
         self.at_first_hook: dict[str, int] = {}
+        # from the first gradient hook to the end of backward, the moment with the most bytes
+        # besides the model states (an engine that shards or offloads them holds its own): the
+        # total then, and the per-tag totals at it
+        self.stateless_peak = 0
+        self.stateless_total = 0
+        self.at_stateless_peak: dict[str, int] = {}
         # inside backward before its first gradient hook (the logits' gradients, every
         # activation): the largest such moment and the per-tag totals at it
         self.backward_peak = 0
@@ -116,6 +122,10 @@ class PhaseTracker(TorchDispatchMode):
         if self.total > self.hook_peak:
             self.hook_peak = self.total
             self.at_hook_peak = dict(self.live)
+        stateless = self.total - sum(self.live.get(k, 0) for k in TRACED_STATES)
+        if stateless > self.stateless_peak:
+            self.stateless_peak, self.stateless_total = stateless, self.total
+            self.at_stateless_peak = dict(self.live)
 
     @contextmanager
     def host_allocations(self) -> Iterator[None]:
@@ -448,6 +458,8 @@ def trace_step(
     parts["first_hook:peak"] = tracker.first_hook_peak
     parts.update({f"bwd:{k}": max(0, tracker.at_backward_peak.get(k, 0)) for k in PARTS})
     parts["bwd:peak"] = tracker.backward_peak
+    parts.update({f"stateless:{k}": max(0, tracker.at_stateless_peak.get(k, 0)) for k in PARTS})
+    parts["stateless:peak"] = tracker.stateless_total
     parts["host_activations"] = tracker.host_peak
     parts["eager_fallback"] = fallback
     return parts

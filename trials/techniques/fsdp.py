@@ -223,16 +223,15 @@ class Fsdp(Technique):
 
     def traced_states(self, step: TraceStep) -> None:
         # the trace ran one unsharded process. Its activations and logits at the first
-        # gradient hook (the start of backward) beside what a rank holds then (``fsdp_held``:
-        # shards, gathered parameters, the head's gradient), unless a moment with no
-        # activation left (the end of backward's reductions, the step) holds more (in backward
-        # before that hook too: the logits' gradients) (chunked cross-entropy: at the hook
-        # only, the head's gradient being ``fsdp_held``'s beside the slices' logits)
+        # gradient hook (the start of backward), or in backward before it (the logits'
+        # gradients; under chunked cross-entropy one slice's, the trace's own sum of the
+        # slices' head gradients standing for the gathered head's), beside what a rank holds
+        # then (``fsdp_held``: shards, gathered parameters, the head's gradient), unless a
+        # moment with no activation left (the end of backward's reductions, the step) holds
+        # more
         if not runs_fsdp(step.config) or step.taken:
             return
         step.taken = True
-        prefixes = ("first_hook:",) if is_chunked(step.config) else ("bwd:", "first_hook:")
-        hook_peak, hook = max((step.net(prefix) for prefix in prefixes), key=lambda net: net[0])
 
         def held(moment: str) -> dict[str, int]:
             return step.formulas.fsdp_held(
@@ -240,8 +239,30 @@ class Fsdp(Technique):
             )
 
         start = held("start of backward")
-        peak = hook_peak + sum(start.values())
-        breakdown = {**hook, **start, "temporaries": hook["temporaries"] + start["temporaries"]}
+        width = 2 if str(step.config.get("precision", "fp32")) in ("bf16", "fp16") else 4
+        head = width * step.stats.vocab * step.stats.hidden if is_chunked(step.config) else 0
+        peak, breakdown = -1, {}
+        for prefix in ("bwd:", "first_hook:"):
+            net, parts = step.net(prefix)
+            rank = {**start, "gradients": start["gradients"] - head * (prefix == "bwd:")}
+            if net + sum(rank.values()) > peak:
+                peak = net + sum(rank.values())
+                breakdown = {
+                    **parts,
+                    **rank,
+                    "temporaries": parts["temporaries"] + rank["temporaries"],
+                }
+        # later in backward: the layers recomputed one by one beside every checkpointed
+        # layer's input and saved outputs (the trace's most bytes besides its model states
+        # after that hook), with the shards and gathered parameters a rank holds at the first
+        # layer's backward; its reduce-scatter's copies come once that layer's backward is
+        # over, its recomputed activations gone (measured on scale replicas of llama-7b:
+        # tests/test_fsdp_replica.py)
+        later_peak, later = step.net("stateless:")
+        first = {**held("first layer's backward"), "temporaries": 0}
+        if later_peak + sum(first.values()) > peak:
+            peak = later_peak + sum(first.values())
+            breakdown = {**later, **first, "temporaries": later["temporaries"]}
         for moment in ("end of backward", "optimizer step"):
             alone = held(moment)
             if sum(alone.values()) > peak:
