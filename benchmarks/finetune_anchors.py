@@ -128,11 +128,64 @@ class Row:
     ladder: bool = False  # a rung of the cumulative 3B table
 
 
+#: Stanford Alpaca's prompt templates (its README, as torchtune's ``AlpacaToMessages`` writes
+#: them), with and without an input; "Around 40% of the examples have an input"
+ALPACA_TEMPLATES = (
+    "Below is an instruction that describes a task, paired with an input that provides further "
+    "context. Write a response that appropriately completes the request.\n\n### Instruction:\n"
+    "\n\n### Input:\n\n\n### Response:\n",
+    "Below is an instruction that describes a task. Write a response that appropriately "
+    "completes the request.\n\n### Instruction:\n\n\n### Response:\n",
+)
+ALPACA_WITH_INPUT = 0.4
+#: the dataset's published size (Hugging Face card of its split copy with a formatted ``text``
+#: column beside instruction, input and output): 47,764,738 bytes over 52,002 examples, each
+#: string with a 4-byte offset in the Arrow table
+ALPACA_BYTES, ALPACA_EXAMPLES, ARROW_OFFSET = 47_764_738, 52_002, 4
+#: characters per token of English text under a tiktoken-style BPE (OpenAI's rule of thumb, ~4);
+#: Llama 3's tokenizer extends cl100k's vocabulary, so it is no less dense
+CHARS_PER_TOKEN = 4.0
+#: Llama 3's chat format around one user and one assistant message: begin_of_text, two headers
+#: of start_header_id, role, end_header_id and a blank line, two eot_id
+CHAT_TOKENS = 11
+#: the shortest row: the template without input, its chat tokens and about ten words
+ALPACA_SHORTEST = 50
+
+
+def alpaca_documents() -> Documents:
+    """Alpaca's rows under torchtune's Llama 3 tokenizer, from published figures: the mean
+    formatted row is the template plus instruction, input and output, whose characters the
+    dataset's size gives (the formatted ``text`` repeats them: 2 x content + template per
+    example); the spread is assumed uniform from ``ALPACA_SHORTEST`` with that mean."""
+    with_input, without = (len(t) for t in ALPACA_TEMPLATES)
+    template = ALPACA_WITH_INPUT * with_input + (1 - ALPACA_WITH_INPUT) * without
+    per_example = ALPACA_BYTES / ALPACA_EXAMPLES - 4 * ARROW_OFFSET
+    content = (per_example - template) / 2
+    mean = (content + template) / CHARS_PER_TOKEN + CHAT_TOKENS
+    return Documents(ALPACA_SHORTEST, round(2 * mean) - ALPACA_SHORTEST)
+
+
 def _rungs() -> list[Row]:
     """torchtune's cumulative Llama 3.2 3B table on one A100: each rung adds to the last."""
+    baseline = alpaca_documents()
     steps: list[tuple[str, dict[str, Any], float, float, str]] = [
-        ("baseline", {}, 25.5, 2091, "unpacked alpaca rows, assumed 64-768 tokens, padded"),
-        ("+ packing", {}, 60.0, 7075, ""),
+        (
+            "baseline",
+            {},
+            25.5,
+            2091,
+            f"unpacked alpaca rows padded to the longest of two, {baseline} tokens (mean from "
+            "the dataset's published size, uniform spread assumed); eager launches and the "
+            "AdamW step over ~300 tokens a step: launch-bound, where the model is least sure",
+        ),
+        (
+            "+ packing",
+            {},
+            60.0,
+            7075,
+            "priced as causal 4,096-token rows under sdpa's flash kernel; torchtune masks each "
+            "packed document (flex attention's block mask), not modelled",
+        ),
         ("+ compile", {"compile": True}, 51.0, 8998, ""),
         ("+ chunked cross-entropy", {"cross_entropy": "chunked"}, 42.9, 9174, ""),
         ("+ activation checkpointing", {"gradient_checkpointing": "full"}, 24.9, 7210, ""),
@@ -144,7 +197,15 @@ def _rungs() -> list[Row]:
             7301,
             "copies on a side stream",
         ),
-        ("+ 8-bit AdamW", {"optimizer": "adamw_8bit"}, 17.6, 6960, ""),
+        (
+            "+ 8-bit AdamW",
+            {"optimizer": "adamw_torchao_8bit"},
+            17.6,
+            6960,
+            "torchao's AdamW8bit (bitsandbytes' PagedAdamW8bit, the config's default, keeps its "
+            "states out of the allocator: 9.1 GiB); its compiled step's fp32 moments of the tied "
+            "embedding, 2.9 GiB, are priced; about 1.8 GiB unexplained",
+        ),
     ]
     config: dict[str, Any] = {**TORCHTUNE, "micro_batch_size": 2}
     rows = []
@@ -160,7 +221,7 @@ def _rungs() -> list[Row]:
                 dict(config),
                 mem,
                 tps,
-                documents=Documents(64, 768) if label == "baseline" else None,
+                documents=baseline if label == "baseline" else None,
                 note=note,
                 ladder=True,
             )
@@ -176,6 +237,13 @@ def _rungs() -> list[Row]:
     return rows
 
 
+#: the same recipe on both cards: the RTX A6000's datasheet is slower (dense bf16 tensor
+#: 154.8 against 165.2 TFLOPS, memory 768 against 1,008 GB/s), its published speed is not
+A6000_RATIO = (
+    "published A6000/4090 speed {:.2f}x against datasheet ratios of 0.94 (bf16 tensor) and "
+    "0.76 (memory): no datasheet model meets both cards"
+)
+
 ROWS: list[Row] = [
     Row(README, "8B full, RTX 4090", "llama-3.1-8b", "rtx4090", 2048, FULL_8B, 18.9, 1650),
     Row(
@@ -188,7 +256,7 @@ ROWS: list[Row] = [
         37.4,
         2579,
         memory_compared=False,
-        note="reserved, no pressure",
+        note=f"reserved, no pressure; {A6000_RATIO.format(2579 / 1650)}",
     ),
     Row(README, "8B LoRA, RTX 4090", "llama-3.1-8b", "rtx4090", 2048, LORA_8B, 16.2, 3083),
     Row(
@@ -201,7 +269,7 @@ ROWS: list[Row] = [
         30.3,
         4699,
         memory_compared=False,
-        note="reserved, no pressure",
+        note=f"reserved, no pressure; {A6000_RATIO.format(4699 / 3083)}",
     ),
     Row(
         README,
@@ -212,7 +280,9 @@ ROWS: list[Row] = [
         QLORA_8B,
         7.4,
         2413,
-        note="not compiled here; embedding, head and norms fp32 here, bf16 in torchtune",
+        note="embedding and head 3.9 GiB in fp32 here (peft's prepare_model_for_kbit_training "
+        "casts what is not 4-bit to fp32, as the job and its HF/axolotl exports run it), 2.0 GiB "
+        "in torchtune's bf16; not compiled here",
     ),
     *_rungs(),
 ]

@@ -251,3 +251,48 @@ def test_compiled_pure_bf16_rungs_are_priced_within_ten_percent_of_the_published
     for p in preds[1:]:
         assert p.memory_error is not None and abs(p.memory_error) <= 10, (p.row.label, p.memory_gib)
     assert all(mem for _, _, mem in fa.directions(preds))
+
+
+def test_the_8bit_rung_is_torchaos_adamw8bit_with_its_compiled_step_temporaries() -> None:
+    """torchtune's 3B "+ 8-bit AdamW" rung (17.6 GiB) against the three 8-bit AdamWs: paged
+    bitsandbytes keeps its states out of the allocator's peak (far below), bitsandbytes' plain
+    AdamW8bit has no step temporaries; torchao's AdamW8bit is the closest. Its states by hand from
+    torchao's ``OptimState8bit`` (a uint8 code per value, an fp32 scale per 256, a 256-entry fp32
+    code book, per moment) for Llama 3.2 3B's tensors, the 3,072-value norms (below 4,096) in
+    bf16 moments; the temporaries two fp32 moments of the tied 128,256 x 3,072 embedding."""
+    import finetune_anchors as fa
+
+    row = next(r for r in fa.ROWS if r.label == "3B + 8-bit AdamW")
+    assert row.config["optimizer"] == "adamw_torchao_8bit"
+    h, kv, inter, vocab, layers = 3072, 1024, 8192, 128256, 28
+    layer = [h * h, kv * h, kv * h, h * h, inter * h, inter * h, h * inter]
+    matrices = [vocab * h] + layers * layer
+    norms = (2 * layers + 1) * [h]
+    states = sum(2 * (n + 4 * (n // 256) + 4 * 256) for n in matrices) + sum(4 * n for n in norms)
+    model, gpu = MODELS[row.model].config, GPUS[row.gpu]
+    est = AnalyticalEstimator().estimate(
+        model, row.config, seq_len=row.seq, global_batch_size=2, gpu=gpu
+    )
+    assert est.breakdown["optimizer_states"] == states
+    assert est.breakdown["temporaries"] == 2 * 4 * vocab * h
+    errors = {}
+    for optimizer in ("adamw_torchao_8bit", "adamw_8bit", "paged_adamw_8bit"):
+        other = fa.Row(**{**vars(row), "config": {**row.config, "optimizer": optimizer}})
+        errors[optimizer] = abs(fa.predict(other).memory_error or 0.0)
+    assert min(errors, key=errors.__getitem__) == "adamw_torchao_8bit", errors
+    assert errors["paged_adamw_8bit"] > 40, errors
+
+
+def test_alpacas_rows_come_from_its_published_size() -> None:
+    """The baseline's alpaca rows by hand: 47,764,738 bytes over 52,002 examples, less four
+    4-byte string offsets: 902.5 characters, two copies of the content and one template (205
+    characters with an input, 140 without, 40% with: 166); content 368.3, formatted row 534.3
+    characters, 133.6 tokens at 4 a token, 144.6 with Llama 3's 11 chat tokens: rows of 50 to 239
+    tokens have that mean."""
+    import finetune_anchors as fa
+
+    assert [len(t) for t in fa.ALPACA_TEMPLATES] == [205, 140]
+    docs = fa.alpaca_documents()
+    assert (docs.shortest, docs.longest) == (50, 239)
+    baseline = next(r for r in fa.ROWS if r.label == "3B baseline")
+    assert baseline.documents == docs
