@@ -12,6 +12,7 @@ import optuna
 from rich.console import Console
 
 from autotune.availability import Hardware
+from autotune.backends import backend_named
 from autotune.estimator.analytical import AnalyticalEstimator
 from autotune.estimator.exhaustive import (
     ClassBest,
@@ -59,9 +60,10 @@ def estimate_space() -> SearchSpace:
 
 def runner_for(settings: StudySettings, real: TrialRunner) -> TrialRunner:
     """Predictions for ``estimate``; on a GPU, real trials behind the estimator's pre-screen."""
-    if settings.backend == "estimate":
+    backend = backend_named(settings.backend)
+    if not backend.measures:
         return EstimateRunner(AnalyticalEstimator(), gpu_spec(settings.target_gpu or "rtx4090"))
-    if settings.backend == "cuda":
+    if backend.cuda:
         return PrescreenRunner(real, AnalyticalEstimator(), PRESCREEN_MARGIN)
     return real
 
@@ -71,7 +73,7 @@ def host_budget(value: str | None, backend: str) -> int | None:
     estimate backend unlimited (None)."""
     if value:
         return parse_size(value)
-    if backend == "estimate":
+    if not backend_named(backend).measures:
         return None
     return machine_memory()
 
