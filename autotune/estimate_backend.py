@@ -68,13 +68,14 @@ def runner_for(settings: StudySettings, real: TrialRunner) -> TrialRunner:
     return real
 
 
-def host_budget(value: str | None, backend: str) -> int | None:
+def host_budget(value: str | None, backend: str, gpu: GpuSpec | None = None) -> int | None:
     """``--host-memory``: a size; default on trial backends what this machine has, on the
-    estimate backend unlimited (None)."""
+    estimate backend the host memory of ``gpu``'s machine (its ``Machine`` row), unlimited
+    (None) where that is not known."""
     if value:
         return parse_size(value)
     if not backend_named(backend).measures:
-        return None
+        return gpu.host_memory_bytes if gpu is not None else None
     return machine_memory()
 
 

@@ -210,10 +210,15 @@ def plan_study(options: RunOptions, say: Callable[[str], None] = lambda line: No
         nodes=nodes,
         documents=docs.stored() if docs else None,
         launcher=launcher_settings,
-        # default: this machine's memory; unlimited for predictions and for a cluster's jobs
+        # default: this machine's memory; for predictions the target GPU's server's (its
+        # ``Machine`` row), unlimited where that is not known; unlimited for a cluster's jobs
         # (Slurm: the nodes' memory is not this login node's: --host-memory gives it)
         host_budget_bytes=host_limit
-        or (0 if gpu_target or launcher_of(launcher_settings).remote else machine_memory()),
+        or (
+            (gpu_target.host_memory_bytes or 0)
+            if gpu_target
+            else (0 if launcher_of(launcher_settings).remote else machine_memory())
+        ),
         **model_settings(entry.weights, o.lr),
     )
     prepared = attach_data(settings, o.data, o.data_field, o.tokenizer, o.model)
