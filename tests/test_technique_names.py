@@ -23,13 +23,10 @@ OWN = "trials/techniques/"
 #: the modules still exempt, each for its reason (every other estimator module, ``speed.py``
 #: included, reads the techniques through their terms and helpers)
 EXEMPT = (
-    # formula libraries several techniques share (``docs/ARCHITECTURE.md``: what stays outside
-    # a module): model states under ZeRO, FSDP2, offload, QLoRA and adapters; a layer's
-    # activations; paged optimizer states' migration. They read the configuration by name to
-    # pick the formula's inputs
+    # the formula library several techniques share (``docs/ARCHITECTURE.md``: what stays outside
+    # a module): model states under ZeRO, FSDP2, offload, QLoRA and adapters. It reads the
+    # configuration by name to pick the formula's inputs
     "autotune/estimator/states.py",
-    "autotune/estimator/activations.py",
-    "autotune/estimator/paging.py",
 )
 LOOKUPS = ("get", "pop", "setdefault")
 ACCESSOR = "setting"
