@@ -12,6 +12,7 @@ import optuna
 from rich.console import Console
 
 from autotune.availability import Hardware
+from autotune.backends import backend_named
 from autotune.estimator.analytical import AnalyticalEstimator
 from autotune.estimator.exhaustive import (
     ClassBest,
@@ -59,20 +60,22 @@ def estimate_space() -> SearchSpace:
 
 def runner_for(settings: StudySettings, real: TrialRunner) -> TrialRunner:
     """Predictions for ``estimate``; on a GPU, real trials behind the estimator's pre-screen."""
-    if settings.backend == "estimate":
+    backend = backend_named(settings.backend)
+    if not backend.measures:
         return EstimateRunner(AnalyticalEstimator(), gpu_spec(settings.target_gpu or "rtx4090"))
-    if settings.backend == "cuda":
+    if backend.cuda:
         return PrescreenRunner(real, AnalyticalEstimator(), PRESCREEN_MARGIN)
     return real
 
 
-def host_budget(value: str | None, backend: str) -> int | None:
+def host_budget(value: str | None, backend: str, gpu: GpuSpec | None = None) -> int | None:
     """``--host-memory``: a size; default on trial backends what this machine has, on the
-    estimate backend unlimited (None)."""
+    estimate backend the host memory of ``gpu``'s machine (its ``Machine`` row), unlimited
+    (None) where that is not known."""
     if value:
         return parse_size(value)
-    if backend == "estimate":
-        return None
+    if not backend_named(backend).measures:
+        return gpu.host_memory_bytes if gpu is not None else None
     return machine_memory()
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from autotune.availability import Hardware
+from autotune.backends import backend_named
 from autotune.data_source import Prepared as PreparedData
 from autotune.data_source import attach as attach_data
 from autotune.errors import UserError
@@ -128,7 +129,7 @@ def plan_study(options: RunOptions, say: Callable[[str], None] = lambda line: No
     remote = " or ".join(f"--launcher {one.name}" for one in LAUNCHERS.values() if one.remote)
     gpus_per_node, gpus, gpu = o.gpus_per_node, o.gpus, o.gpu
     hardware = Hardware.detect(None if o.backend in ("auto", "estimate") else o.backend)
-    if hardware.backend == "cuda" and not cuda_available():
+    if backend_named(hardware.backend).cuda and not cuda_available():
         if not chosen.remote or gpu is None:
             raise UserError(
                 "--backend cuda: no CUDA GPU is visible to torch here"
@@ -137,7 +138,9 @@ def plan_study(options: RunOptions, say: Callable[[str], None] = lambda line: No
         hardware = hardware_for(gpu_spec(gpu), gpus_per_node or gpus or 1)
     gpu_target = None
     if o.backend == "estimate" or (
-        o.backend == "auto" and hardware.backend == "cpu" and entry.n_params > MAX_CPU_TRIAL_PARAMS
+        o.backend == "auto"
+        and not backend_named(hardware.backend).cuda
+        and entry.n_params > MAX_CPU_TRIAL_PARAMS
     ):
         gpu_target = target_gpu(gpu, budget_bytes)
         if o.backend == "auto":
@@ -145,7 +148,7 @@ def plan_study(options: RunOptions, say: Callable[[str], None] = lambda line: No
         if o.space_path is None:
             space = estimate_space()
         hardware = hardware_for(gpu_target, gpus_per_node or gpus or 1)
-    elif hardware.backend == "cpu" and entry.n_params > MAX_CPU_TRIAL_PARAMS:
+    elif not backend_named(hardware.backend).cuda and entry.n_params > MAX_CPU_TRIAL_PARAMS:
         raise UserError(
             f"{entry.name} has {entry.n_params / 1e9:.1f}B parameters: too big for real CPU "
             "trials on this machine; use a GPU (--backend cuda), --backend estimate, or a "
@@ -154,7 +157,7 @@ def plan_study(options: RunOptions, say: Callable[[str], None] = lambda line: No
     if (
         gpu is not None
         and gpu_target is None
-        and not (hardware.backend == "cuda" and chosen.remote)
+        and not (backend_named(hardware.backend).cuda and chosen.remote)
     ):
         raise UserError(
             f"--gpu {printable(gpu)} names the GPU that --backend estimate predicts for (or the "
@@ -169,13 +172,13 @@ def plan_study(options: RunOptions, say: Callable[[str], None] = lambda line: No
         {"name": "local"}
         if gpu_target
         else launcher_attrs(
-            {}, o.launching, gpus_per_node=per_node if hardware.backend == "cuda" else 0
+            {}, o.launching, gpus_per_node=per_node if backend_named(hardware.backend).cuda else 0
         )
     )
     if (
         gpu_target is None
         and nodes > 1
-        and hardware.backend == "cuda"
+        and backend_named(hardware.backend).cuda
         and not launcher_of(launcher_settings).remote
     ):
         raise UserError(
@@ -207,10 +210,15 @@ def plan_study(options: RunOptions, say: Callable[[str], None] = lambda line: No
         nodes=nodes,
         documents=docs.stored() if docs else None,
         launcher=launcher_settings,
-        # default: this machine's memory; unlimited for predictions and for a cluster's jobs
+        # default: this machine's memory; for predictions the target GPU's server's (its
+        # ``Machine`` row), unlimited where that is not known; unlimited for a cluster's jobs
         # (Slurm: the nodes' memory is not this login node's: --host-memory gives it)
         host_budget_bytes=host_limit
-        or (0 if gpu_target or launcher_of(launcher_settings).remote else machine_memory()),
+        or (
+            (gpu_target.host_memory_bytes or 0)
+            if gpu_target
+            else (0 if launcher_of(launcher_settings).remote else machine_memory())
+        ),
         **model_settings(entry.weights, o.lr),
     )
     prepared = attach_data(settings, o.data, o.data_field, o.tokenizer, o.model)
@@ -272,9 +280,9 @@ def ranks_per_node(
             raise UserError("--nproc/--nproc-per-node are for CPU trials; the estimate backend "
                             "plans GPUs: use --gpus-per-node")  # fmt: skip
         return gpus_per_node or gpus or 1
-    if gpus_per_node is not None and hardware.backend != "cuda":
+    if gpus_per_node is not None and not backend_named(hardware.backend).cuda:
         raise UserError("--gpus-per-node needs the cuda backend; on the CPU use --nproc-per-node")
-    if nproc_per_node is not None and hardware.backend == "cuda":
+    if nproc_per_node is not None and backend_named(hardware.backend).cuda:
         raise UserError("--nproc-per-node is for CPU trials; on CUDA use --gpus-per-node")
     per = gpus_per_node or nproc_per_node
     if nodes > 1 and per is None:
@@ -290,9 +298,9 @@ def ranks_per_node(
 
 def _ranks(nproc: int | None, gpus: int | None, hardware: Hardware) -> int:
     """Processes per trial: --gpus N on CUDA, --nproc N on the CPU."""
-    if gpus is not None and hardware.backend != "cuda":
+    if gpus is not None and not backend_named(hardware.backend).cuda:
         raise UserError("--gpus needs the cuda backend; on the CPU use --nproc N")
-    if nproc is not None and hardware.backend == "cuda":
+    if nproc is not None and backend_named(hardware.backend).cuda:
         raise UserError("--nproc is for CPU trials; on CUDA use --gpus N")
     if gpus is not None and gpus > hardware.gpu_count:
         raise UserError(f"--gpus {gpus}: only {hardware.gpu_count} CUDA GPU(s) visible here")

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from autotune.backends import backend_named
 from trials.lifeline import CONTROLLER_ENV
 from trials.spec import TrialResult, TrialSpec, rank_result_path
 from trials.techniques import TECHNIQUES
@@ -81,7 +82,7 @@ def trial_env(base: dict[str, str], spec: TrialSpec | None) -> dict[str, str]:
             CONTROLLER_ENV: str(os.getpid()),  # the job ends itself if this process dies
         }
     )
-    if spec is not None and spec.backend == "cuda":
+    if spec is not None and backend_named(spec.backend).cuda:
         env.update(TECHNIQUES.environment(spec.config, base))
     return env
 

@@ -18,7 +18,8 @@ quantity:
 5. each fidelity class's best: the fastest that fits (least device memory among equal speeds),
    its ties within the speed model's error; the headline is the faster of the exact and mixed
    bests;
-6. ``--host-memory`` by default: unlimited on the estimate backend, this machine's on the others.
+6. ``--host-memory`` by default: on the estimate backend the target GPU's server's system memory
+   where its machine row gives one (unlimited where not), this machine's on the others.
 """
 
 from __future__ import annotations
@@ -185,3 +186,9 @@ def test_host_memory_default_per_backend() -> None:
     assert host_budget(None, "estimate") is None
     assert host_budget(None, "cpu") == machine_memory() > 0
     assert host_budget("64GB", "estimate") == 64 * 10**9
+    # the target's server: NVIDIA's DGX H100 datasheet, "System Memory 2TB" (32 x 64 GiB DIMMs);
+    # the DGX A100 320GB's 1 TB; a PCIe desktop card's box is its owner's choice: unlimited
+    assert host_budget(None, "estimate", gpu_spec("h100")) == 2 * 2**40
+    assert host_budget(None, "estimate", gpu_spec("a100-40gb")) == 2**40
+    assert host_budget(None, "estimate", gpu_spec("rtx4090")) is None
+    assert host_budget("64GB", "estimate", gpu_spec("h100")) == 64 * 10**9  # the user's wins

@@ -120,3 +120,21 @@ def test_rows_are_keyword_only() -> None:
     row = GPUS["h100"]
     with pytest.raises(TypeError):
         type(row)("x", "X", 1, 1.0, 1.0, 1.0, 1.0, 1.0, (9, 0), row.machine)  # type: ignore[misc]
+
+
+def test_the_host_memory_is_the_servers_published_system_memory() -> None:
+    """System memory from NVIDIA's datasheets, in GiB of DIMMs: DGX H100 and DGX H200 "2TB",
+    DGX A100 640GB "2TB" and DGX A100 320GB "1TB", DGX-1 "512 GB 2,133 MHz DDR4", GH200 Grace
+    Hopper "480GB LPDDR5X"; the PCIe cards' servers publish none (None: --host-memory or no
+    limit)."""
+    tib = 2**40
+    assert GPUS["h100"].host_memory_bytes == GPUS["h200"].host_memory_bytes == 2 * tib
+    assert GPUS["a100-80gb"].host_memory_bytes == 2 * tib  # eight 80 GB cards: DGX A100 640GB
+    assert GPUS["a100-40gb"].host_memory_bytes == tib  # eight 40 GB cards: DGX A100 320GB
+    assert GPUS["v100"].host_memory_bytes == 512 * 2**30
+    assert GPUS["h100-96gb"].host_memory_bytes == 480 * 2**30
+    for key in ("rtx4090", "rtx3090", "a10g", "l4", "l40s", "h100-pcie", "h100-nvl"):
+        assert GPUS[key].host_memory_bytes is None, key
+    # the 40 GB card's server differs from the 80 GB card's by its memory alone
+    forty, eighty = GPUS["a100-40gb"].machine, GPUS["a100-80gb"].machine
+    assert (forty.pcie_gbps, forty.internode_gbps) == (eighty.pcie_gbps, eighty.internode_gbps)

@@ -133,3 +133,12 @@ def test_run_options_default_as_the_command_does() -> None:
             assert param.default == defaults[param.name], param.name
             checked += 1
     assert checked == len(defaults) - 1  # all but typed, which no option gives
+
+
+def test_an_estimate_study_takes_the_target_servers_host_memory() -> None:
+    """The DGX H100's system memory, 2 TB (NVIDIA's DGX H100 datasheet; 2 TiB of DIMMs), is the
+    host budget of an H100 estimate study by default; --host-memory replaces it."""
+    h100 = {"model": "llama-7b", "budget": "80GB", "backend": "estimate", "gpu": "h100"}
+    assert plan_study(RunOptions(**h100)).settings.host_budget_bytes == 2 * 2**40
+    given = plan_study(RunOptions(**h100, host_memory="512GB")).settings
+    assert given.host_budget_bytes == 512 * 10**9

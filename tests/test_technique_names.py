@@ -20,17 +20,10 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("autotune", "trials")
 #: the techniques' own package: where their names belong
 OWN = "trials/techniques/"
-#: the modules still exempt, each for its reason (every other estimator module, ``speed.py``
-#: included, reads the techniques through their terms and helpers)
-EXEMPT = (
-    # formula libraries several techniques share (``docs/ARCHITECTURE.md``: what stays outside
-    # a module): model states under ZeRO, FSDP2, offload, QLoRA and adapters; a layer's
-    # activations; paged optimizer states' migration. They read the configuration by name to
-    # pick the formula's inputs
-    "autotune/estimator/states.py",
-    "autotune/estimator/activations.py",
-    "autotune/estimator/paging.py",
-)
+#: the modules exempt, each for its reason: none (every estimator module, the formula libraries
+#: ``states.py``, ``activations.py`` and ``paging.py`` included, reads the techniques through
+#: their terms and helpers)
+EXEMPT: tuple[str, ...] = ()
 LOOKUPS = ("get", "pop", "setdefault")
 ACCESSOR = "setting"
 

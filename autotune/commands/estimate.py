@@ -76,7 +76,9 @@ def _load_config(path: str, global_batch_size: int) -> dict[str, Any]:
 @click.option(
     "--host-memory",
     default=None,
-    help="Host RAM per machine the configuration may use (default: unlimited, always shown).",
+    help="Host RAM per machine the configuration may use (default: the system memory of the "
+    "GPU's server where its row gives one, e.g. 2 TiB for a DGX H100; else unlimited; always "
+    "shown).",
 )
 @click.option(
     "--trace/--no-trace",
@@ -105,12 +107,12 @@ def estimate_cmd(
     console = make_console()
     console.width = 110
     budget_bytes = parse_size(budget)
-    host_bytes = host_budget(host_memory, "estimate")
     entry = resolve_model(model)
     check_seq_len(seq_len, entry.config, entry.name)
     if nproc % nodes:
         raise UserError(f"--nproc {nproc} GPUs do not split evenly over --nodes {nodes}")
     spec = target_gpu(gpu, budget_bytes)
+    host_bytes = host_budget(host_memory, "estimate", spec)
     if nodes > 1:
         spec = spec.spanning(nodes, nproc // nodes)
     kw: dict[str, Any] = {

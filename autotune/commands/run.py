@@ -185,7 +185,8 @@ COMMAND_OPTIONS = ("n_trials", "storage", "trial_timeout", "timeout", "strategy"
     "--host-memory",
     default=None,
     help="Host RAM a trial may use on each machine, e.g. 128GB (default: this machine's "
-    "memory; --backend estimate or --launcher slurm: unlimited, always shown).",
+    "memory; --backend estimate: the GPU's server's where its row gives one, else unlimited; "
+    "--launcher slurm: unlimited; always shown).",
 )
 def run(**options: Any) -> None:
     """Run (or continue) a study of real training trials (or of predictions, without a GPU)."""

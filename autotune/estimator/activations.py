@@ -12,9 +12,11 @@ from autotune.estimator.states import (
     pure_outside_deepspeed,
 )
 from autotune.models import ModelStats
-from trials.techniques import setting
+from trials.techniques.attention import saves_attention_probs
 from trials.techniques.checkpointing import saved_ops
 from trials.techniques.compile import compiles
+from trials.techniques.precision import computes_in_16_bits
+from trials.techniques.quantization import quantizes
 
 
 def layer_activation_bytes(
@@ -32,7 +34,7 @@ def layer_activation_bytes(
     tokens = seq_len * micro
     saved = (4 if st.gated_mlp else 2) + ACT_EXTRA_SAVED.get(st.hidden_act, 0)
     mlp_w = saved * st.intermediate * max(1, st.top_k)
-    half = setting(config, "precision") in ("bf16", "fp16")
+    half = computes_in_16_bits(config)
     pure16 = model_in_16_bits(config)
     # DeepSpeed (and pure bf16) run the model in 16 bits: only the norms upcast (fitted to traces)
     if pure16:
@@ -52,7 +54,7 @@ def layer_activation_bytes(
         per_token += NORM_BYTES["rms"]["pure16" if half else "fp32"] * (q + kvw)
     if mode == "autocast":  # each projection casts its own copy of its input: fused ones once
         per_token -= 2 * h * (3 - st.qkv_projections + 2 - st.mlp_in_projections)
-    eager = setting(config, "attention") == "eager"
+    eager = saves_attention_probs(config)
     if st.qkv_projections == 1 and not eager:
         # q, k, v as views of one fused output: without rotary q keeps all of it alive and the
         # CPU's attention kernel copies k and v; with it v keeps it (q and k are rewritten).
@@ -118,7 +120,7 @@ def compiled_saving(st: ModelStats, config: dict[str, Any]) -> int:
     h, i = st.hidden, st.intermediate
     if model_in_16_bits(config):  # adapters' layers were not measured: counted as eager
         return 8 * h + 2 * i if pure_outside_deepspeed(config) and not adapted_16bit(config) else 0
-    autocast = setting(config, "precision") in ("bf16", "fp16")
+    autocast = computes_in_16_bits(config)
     return 16 * h + 2 * i if autocast else 4 * (2 * h + i)
 
 
@@ -133,8 +135,8 @@ def _fp32_experts(config: dict[str, Any]) -> bool:
     """Under autocast over fp32 weights an MoE layer's experts compute in fp32: their grouped
     matmul (``aten._grouped_mm``, transformers 5) has no autocast rule on CPU or CUDA. DeepSpeed's
     model and a quantized model's base are 16-bit."""
-    autocast = setting(config, "precision") in ("bf16", "fp16") and not model_in_16_bits(config)
-    return autocast and str(setting(config, "quantization") or "none") == "none"
+    autocast = computes_in_16_bits(config) and not model_in_16_bits(config)
+    return autocast and not quantizes(config)
 
 
 #: bytes per hidden unit one norm keeps per token: llama's RMSNorm its input and the normalised
@@ -160,7 +162,7 @@ def saved_op_bytes(st: ModelStats, config: dict[str, Any], seq_len: int, micro: 
     save = saved_ops(config)
     if save == "none":
         return 0
-    half = setting(config, "precision") in ("bf16", "fp16")
+    half = computes_in_16_bits(config)
     width = 2 if half else 4
     q, kvw = st.heads * st.head_dim, st.kv_heads * st.head_dim
     per_token = width * q + 4 * st.heads
@@ -188,16 +190,16 @@ def adapter_activation_bytes(st: ModelStats, config: dict[str, Any], tokens: int
     projection's input (its weight frozen, nothing reads it in backward), and in fp32 each
     norm's normalised input (its frozen scale needs no gradient; in 16 bits the fitted norm
     terms stand)."""
-    from trials.techniques.adapter import adapter_of, rank_of, targets_of
+    from trials.techniques.adapter import adapter_of, attention_only, rank_of
 
     shapes, outputs = adapter_shapes(st, config)
-    half = setting(config, "precision") in ("bf16", "fp16")
+    half = computes_in_16_bits(config)
     width = 2 if half else 4
     adapted = sum(1 for s in shapes if len(s) == 2) // 2
     total = adapted * rank_of(config) * width * tokens
     if adapter_of(config) == "dora":
         total += int(DORA_BYTES[half] * outputs * tokens)
-    if targets_of(config) == "attention":
+    if attention_only(config):
         total -= st.layers * width * st.intermediate * max(1, st.top_k) * tokens
     if not half:
         total -= st.layers * st.norms * 4 * st.hidden * tokens

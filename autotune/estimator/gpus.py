@@ -43,19 +43,29 @@ class Machine:
     name: str
     pcie_gbps: float  # each GPU's host link (PCIe x16; NVLink-C2C on Grace Hopper)
     internode_gbps: float  # the node's network, all its NICs together
+    #: the server's system memory (host RAM), GiB; None: not published for the kind of server
+    #: (a PCIe box's is its owner's choice): ``--host-memory`` gives it, else no host limit
+    host_memory_gib: int | None = None
 
 
-#: NVIDIA's DGX datasheets: eight 400 Gb/s ConnectX-7 InfiniBand NICs (one per GPU, 8 x 50 GB/s)
-DGX_H100 = Machine(name="DGX H100/H200", pcie_gbps=64, internode_gbps=400.0)
-#: eight 200 Gb/s HDR InfiniBand NICs (8 x 25 GB/s)
-DGX_A100 = Machine(name="DGX A100", pcie_gbps=32, internode_gbps=200.0)
-#: four 100 Gb/s EDR InfiniBand NICs (4 x 12.5 GB/s)
-DGX1_V100 = Machine(name="DGX-1 V100", pcie_gbps=16, internode_gbps=50.0)
+#: NVIDIA's DGX datasheets: eight 400 Gb/s ConnectX-7 InfiniBand NICs (one per GPU, 8 x 50 GB/s);
+#: system memory 2 TB (DGX H100 and DGX H200 datasheets: "System Memory 2TB")
+DGX_H100 = Machine(name="DGX H100/H200", pcie_gbps=64, internode_gbps=400.0, host_memory_gib=2048)
+#: eight 200 Gb/s HDR InfiniBand NICs (8 x 25 GB/s); system memory 2 TB with the 80 GB cards
+#: (DGX A100 640GB), 1 TB with the 40 GB ones (DGX A100 320GB) (DGX A100 datasheet)
+DGX_A100 = Machine(name="DGX A100", pcie_gbps=32, internode_gbps=200.0, host_memory_gib=2048)
+DGX_A100_320GB = Machine(
+    name="DGX A100 320GB", pcie_gbps=32, internode_gbps=200.0, host_memory_gib=1024
+)
+#: four 100 Gb/s EDR InfiniBand NICs (4 x 12.5 GB/s); system memory 512 GB DDR4 (DGX-1
+#: datasheet)
+DGX1_V100 = Machine(name="DGX-1 V100", pcie_gbps=16, internode_gbps=50.0, host_memory_gib=512)
 #: a PCIe server with one 100 Gb/s Ethernet link (12.5 GB/s)
 PCIE4_SERVER = Machine(name="PCIe 4.0 server", pcie_gbps=32, internode_gbps=12.5)
 PCIE5_SERVER = Machine(name="PCIe 5.0 server", pcie_gbps=64, internode_gbps=12.5)
 #: the Grace Hopper superchip: its host link is NVLink-C2C (900 GB/s both ways)
-GH200_NODE = Machine(name="GH200 node", pcie_gbps=450, internode_gbps=12.5)
+#: its Grace CPU's 480 GB LPDDR5X (NVIDIA GH200 Grace Hopper Superchip datasheet)
+GH200_NODE = Machine(name="GH200 node", pcie_gbps=450, internode_gbps=12.5, host_memory_gib=480)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,6 +95,12 @@ class GpuSpec:
     def pcie_gbps(self) -> float:
         """The host link, per direction, GB/s (the machine's)."""
         return self.machine.pcie_gbps
+
+    @property
+    def host_memory_bytes(self) -> int | None:
+        """The machine's host RAM in bytes (None: not known)."""
+        gib = self.machine.host_memory_gib
+        return None if gib is None else gib * GIB
 
     @property
     def internode_gbps(self) -> float:
@@ -174,7 +190,7 @@ GPUS: dict[str, GpuSpec] = {
             hbm_gbps=1555,
             nvlink_gbps=300,
             sm=(8, 0),
-            machine=DGX_A100,
+            machine=DGX_A100_320GB,
         ),
         # the PCIe V100s of the same memory are priced with the SXM2 card
         GpuSpec(

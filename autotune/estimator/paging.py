@@ -35,7 +35,10 @@ from autotune.estimator.base import Estimate
 from autotune.estimator.gpus import GB, GpuSpec
 from autotune.estimator.speed import PCIE_EFFICIENCY
 from autotune.models import stats_of
-from trials.techniques import OPTIMIZERS, setting
+from trials.techniques import OPTIMIZERS
+from trials.techniques.adapter import adapts
+from trials.techniques.optimizer import optimizer_of
+from trials.techniques.quantization import quantizes
 
 #: the optimizers whose states are paged (bitsandbytes' ``Paged*`` classes)
 PAGED_OPTIMIZERS = ("paged_adamw_8bit",)
@@ -44,7 +47,7 @@ PAGED_MIN_NUMEL = 100_000
 
 
 def pages(config: dict[str, Any]) -> bool:
-    return str(setting(config, "optimizer")) in PAGED_OPTIMIZERS
+    return optimizer_of(config) in PAGED_OPTIMIZERS
 
 
 def paged_state_bytes(model_config: dict[str, Any], config: dict[str, Any]) -> int:
@@ -52,14 +55,11 @@ def paged_state_bytes(model_config: dict[str, Any], config: dict[str, Any]) -> i
     not paged or the base is frozen: adapters' tensors are small)."""
     if not pages(config):
         return 0
-    frozen = str(setting(config, "quantization") or "none") != "none" or str(
-        setting(config, "adapter") or "none"
-    ) not in ("none", "")
-    if frozen:
+    if quantizes(config) or adapts(config):  # a frozen base
         return 0
     st = stats_of(model_config)
     big = [s for s in st.shapes if _numel(s) >= PAGED_MIN_NUMEL]
-    return OPTIMIZERS[str(config["optimizer"])].state_bytes(big)
+    return OPTIMIZERS[optimizer_of(config)].state_bytes(big)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

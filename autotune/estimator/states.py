@@ -43,16 +43,27 @@ from autotune.estimator.gpus import GpuSpec
 from autotune.models import ModelStats, stats_of
 from trials.techniques import OPTIMIZERS, setting
 from trials.techniques.adapter import adapted_16bit, adapter_of, adapts, rank_of, targets_of
+from trials.techniques.buckets import (
+    contiguous_gradients,
+    overlaps_comm,
+    reduce_bucket_elements,
+    sets_reduce_bucket,
+)
+from trials.techniques.cross_entropy import is_chunked
 from trials.techniques.fsdp import RESHARD, fsdp_mode, offloads_shards, runs_fsdp
 from trials.techniques.micro_batch import micro_and_accumulation
+from trials.techniques.offload import offloads_optimizer, offloads_params
+from trials.techniques.optimizer import optimizer_of
 from trials.techniques.optimizer_in_backward import steps_in_backward
-from trials.techniques.precision import pure_bf16
+from trials.techniques.precision import computes_in_16_bits, precision_of, pure_bf16
 from trials.techniques.quantization import (
     LORA_RANK,
     ROW_SCALE_BYTES,
     WEIGHT_BYTES,
+    quantization_of,
+    quantizes,
 )
-from trials.techniques.zero import runs_deepspeed
+from trials.techniques.zero import runs_deepspeed, zero_stage
 
 Shape = tuple[int, ...]
 
@@ -118,7 +129,7 @@ def model_in_16_bits(config: dict[str, Any]) -> bool:
     """Whether the model itself is 16-bit (no autocast over fp32 weights): DeepSpeed's engine in
     bf16/fp16, FSDP2 in bf16, pure bf16 on any engine, or a frozen 16-bit base under
     adapters."""
-    half = str(setting(config, "precision")) in ("bf16", "fp16")
+    half = computes_in_16_bits(config)
     sixteen = deepspeed_states(config) or pure_bf16(config) or adapted_16bit(config)
     # FSDP2's mixed-precision policy computes on 16-bit copies of the shards and casts the
     # root's inputs: the model runs in 16 bits
@@ -259,20 +270,20 @@ def _ipg_bucket(config: dict[str, Any], stage: int, wbytes: int) -> int:
     dtype, made whole whatever the model's size (``setup_buckets`` in stage_1_and_2.py, with a
     second one when ``overlap_comm``; stage3.py makes one in ``_setup_for_real_optimizer``).
     Stages 1-2 make it only with ``contiguous_gradients`` (DeepSpeed's default)."""
-    elements = int(setting(config, "reduce_bucket_size", DS_REDUCE_BUCKET))
+    elements = reduce_bucket_elements(config, DS_REDUCE_BUCKET)
     if stage == 3:
         return wbytes * elements
-    if not setting(config, "contiguous_gradients", True):
+    if not contiguous_gradients(config):
         return 0
-    return (2 if setting(config, "overlap_comm", False) else 1) * wbytes * elements
+    return (2 if overlaps_comm(config) else 1) * wbytes * elements
 
 
 def _stage3_knobs(config: dict[str, Any]) -> tuple[int, int, int]:
     """(max reuse distance, max live parameters, prefetch bucket) in elements: the trial's
     DeepSpeed config sets all three to ``reduce_bucket_size`` when the config has one
     (``trials.deepspeed_engine.deepspeed_config``), else DeepSpeed's defaults."""
-    if "reduce_bucket_size" in config:
-        n = int(config["reduce_bucket_size"])
+    if sets_reduce_bucket(config):
+        n = reduce_bucket_elements(config, 0)
         return n, n, n
     return DS_MAX_REUSE_DISTANCE, DS_MAX_LIVE_PARAMS, DS_PREFETCH_PARAMS
 
@@ -312,15 +323,15 @@ def model_states(
     psi = st.n_params
     n = max(1, int(nproc))
     per_host = max(1, n // max(1, nodes))
-    opt = str(setting(config, "optimizer"))
-    precision = str(setting(config, "precision"))
-    stage = int(setting(config, "zero_stage") or 0)
-    off_opt = setting(config, "offload_optimizer") == "cpu" and stage >= 1
-    off_param = setting(config, "offload_param") == "cpu" and stage >= 3
-    quant = str(setting(config, "quantization") or "none")
+    opt = optimizer_of(config)
+    precision = precision_of(config)
+    stage = zero_stage(config)
+    off_opt = offloads_optimizer(config)
+    off_param = offloads_params(config)
+    quant = quantization_of(config)
     load_copy = 4 * psi * per_host  # each process builds the fp32 model on the host first
 
-    if quant != "none":
+    if quantizes(config):
         return _quantized(st, config, quant, opt, precision, load_copy)
     if adapts(config):
         return _adapted(st, config, opt, load_copy)
@@ -373,7 +384,7 @@ def model_states(
             host = _host(HOST_OPTIMIZER_BYTES * psi * per_host // n, load_copy)
         else:
             host = _host(0, load_copy)
-        elements = int(setting(config, "reduce_bucket_size", DS_REDUCE_BUCKET))
+        elements = reduce_bucket_elements(config, DS_REDUCE_BUCKET)
         phases, host_rank = _phases12(
             stage, st, part, wbytes, mbytes, optim, (bucket, elements), off_opt, cuda
         )
@@ -433,7 +444,7 @@ def _deepspeed_without_zero(
     boundary, ``allreduce_gradients`` flattens the gradients into one buffer (up to 5e8
     elements) even on one rank. Every rank holds all of it."""
     psi = st.n_params
-    half = str(setting(config, "precision")) in ("bf16", "fp16")
+    half = computes_in_16_bits(config)
     wbytes = 2 if half else 4
     weights = wbytes * psi + (4 * psi if half else 0)
     grads = wbytes * psi
@@ -651,7 +662,7 @@ def _phases3(
     # the CPU backend gloo copies that input for the reduce-scatter itself. Under offload
     # ``partition_grads`` takes the norms then (from a device copy of the host partition on a
     # GPU); without, the step does, once the buffer is gone.
-    bucket_elements = int(setting(config, "reduce_bucket_size", DS_REDUCE_BUCKET))
+    bucket_elements = reduce_bucket_elements(config, DS_REDUCE_BUCKET)
     offload_norm = norm + (wbytes * sliced if cuda else 0)
     first = _first_overflow(st, bucket_elements)
     if off_opt and first is not None:
@@ -721,13 +732,13 @@ def fsdp_held(
     backward. Offloaded: shards, gradients and states on the host, the step there too."""
     psi = st.n_params
     pure = pure_bf16(config)
-    w = 2 if str(setting(config, "precision")) in ("bf16", "fp16") else 4
+    w = 2 if computes_in_16_bits(config) else 4
     m = 2 if pure else 4  # the shards' (and their gradients') bytes, the reduce dtype's
     block = st.layer_params
     root = psi - st.layers * block
     offloaded = offloads_shards(config)
     shards = 0 if offloaded else m * psi // n
-    opt = str(setting(config, "optimizer"))
+    opt = optimizer_of(config)
     optim = 0 if offloaded else model_optimizer_bytes(st, opt, pure) // n
     grads_kept = 0 if offloaded or accum == 1 else m * psi // n  # reduced each micro-batch
     reduced = 0 if offloaded else m * (psi - root) // n  # every block's reduced gradient shard
@@ -752,7 +763,7 @@ def fsdp_held(
         held["parameters"] += gathered + blocks_fwd
         # the head's gradient: beside the logits' only under chunked cross-entropy (summed
         # slice by slice); the full loss's logits gradients are gone before the head's backward
-        chunked = str(setting(config, "cross_entropy")) == "chunked"
+        chunked = is_chunked(config)
         head = w * st.vocab * st.hidden if moment == "start of backward" and chunked else 0
         held["gradients"] = grads_kept + head
     elif moment == "first layer's backward":

@@ -56,6 +56,11 @@ def targets_of(config: Config) -> str:
     return str(config.get("lora_targets", DEFAULT_TARGETS))
 
 
+def attention_only(config: Config) -> bool:
+    """The adapters sit on the attention projections alone (the MLP's weights all frozen)."""
+    return targets_of(config) == "attention"
+
+
 def alpha_of(config: Config) -> int:
     """LoRA's alpha: twice the rank (the scale alpha / rank = 2, as QLoRA's 16 over 8)."""
     return 2 * rank_of(config)

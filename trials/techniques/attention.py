@@ -30,6 +30,12 @@ def attn_implementation(config: Config) -> str:
     return ATTENTION[str(config.get("attention", "sdpa"))]
 
 
+def saves_attention_probs(config: Config) -> bool:
+    """The eager kernel: the softmax's probabilities kept for backward (the fused ones keep
+    only their output and log-sum-exp)."""
+    return attn_implementation(config) == "eager"
+
+
 def _flash_attn(hw: Hardware) -> str | None:
     if hw.backend != "cuda":
         return "needs a CUDA GPU"

@@ -66,4 +66,31 @@ class Buckets(Technique):
         return {"zero_optimization": zero} if zero else {}
 
 
+def reduce_bucket_elements(config: Config, default: int) -> int:
+    """The reduce bucket's elements: the config's ``reduce_bucket_size``, else ``default``
+    (DeepSpeed's)."""
+    from trials.techniques import setting
+
+    return int(setting(config, "reduce_bucket_size", default))
+
+
+def sets_reduce_bucket(config: Config) -> bool:
+    """The config sizes the reduce bucket (stage 3's working set then follows it)."""
+    return "reduce_bucket_size" in config
+
+
+def contiguous_gradients(config: Config) -> bool:
+    """Gradients copied into one buffer (DeepSpeed's default: on)."""
+    from trials.techniques import setting
+
+    return bool(setting(config, "contiguous_gradients", True))
+
+
+def overlaps_comm(config: Config) -> bool:
+    """Communication overlapped with backward (DeepSpeed's default: off)."""
+    from trials.techniques import setting
+
+    return bool(setting(config, "overlap_comm", False))
+
+
 TECHNIQUE = Buckets()

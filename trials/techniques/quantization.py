@@ -142,6 +142,11 @@ def _quantized(
     return apply
 
 
+def quantization_of(config: Config) -> str:
+    """The base's quantization (``none``: full precision)."""
+    return str(config.get("quantization") or "none")
+
+
 def quantizes(config: Config) -> bool:
     """A quantized frozen base (int8 or nf4) with LoRA adapters."""
     return str(config.get("quantization") or "none") != "none"
