@@ -87,3 +87,26 @@ def test_an_oom_that_would_hide_the_optimum_does_not_hide_it_for_ever(seed: int)
     blocker = {**optimum, "micro_batch_size": 1}
     found = _search(seed, [blocker], len(_grid()))
     assert found is not None and found > 1
+
+
+def test_a_candidate_is_weighed_by_its_chance_to_escape_a_crash() -> None:
+    """(a0, b0, c0) crashed and nothing has run: its cause is one of its 3 choices or 3 pairs.
+    X = (a0, b0, c1) holds a0, b0 and (a0, b0): 3 of the 6, a 1/2 chance to crash like it (not
+    over the 1/2 that sends a candidate last); Y = (a1, b1, c0) holds only c0, 1/6. Counted by
+    hand. X is predicted 10% faster, but weighed by the chance to run Y goes first; had the same
+    configuration been killed at the trial timeout (tried, nothing learned of its choices), X
+    would."""
+
+    def cfg(a: str, b: str, c: str) -> Config:
+        return {"a": a, "b": b, "c": c}
+
+    crashed, x, y = cfg("0", "0", "0"), cfg("0", "0", "1"), cfg("1", "1", "0")
+    speeds = {config_key(crashed): 2000.0, config_key(x): 1100.0, config_key(y): 1000.0}
+    grid = [cfg(a, b, c) for a in "01" for b in "01" for c in "01"]
+
+    def prior(c: Config) -> tuple[float, float]:
+        return 0.3 * BUDGET, speeds.get(config_key(c), 300.0)
+
+    sampler = AutotuneSampler(grid, prior, BUDGET)
+    assert sampler.plan([Observation(crashed, "failed", 0.0, 0.0)]) == y
+    assert sampler.plan([Observation(crashed, "timeout", 0.0, 0.0)]) == x
