@@ -155,7 +155,7 @@ def foreign_record(a: dict[str, Any]) -> str:
 #: trials without a better feasible measurement after which an OOM no longer rules out what
 #: needs no less memory (``trials_since_improvement``): the rule is then one more belief
 #: (the corrected peak's chance to fit) and no longer a wall
-STALL = 10
+STALL = 6
 
 
 def trials_since_improvement(
