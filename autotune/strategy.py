@@ -13,19 +13,24 @@ grid) the sampler starts from what is cheap to know:
    marginal likelihood: the more the measurements disagree with the estimator, the less its
    ranking is trusted.
 3. **Monotone pruning.** If a configuration ran out of memory, the same configuration with a
-   bigger micro-batch or less checkpointing would too; those are never proposed. An OOM is
+   bigger micro-batch or less checkpointing would too; those are not proposed. An OOM is
    also a lower bound on the peak and enters the correction as such.
 4. **Loss and crashes.** The measured loss regressions are fitted on the lossy choices (bf16,
    fp16, other optimizers, quantization) by a ridge without bias; a configuration predicted to
    regress beyond the tolerance is tried last. Exact techniques never regress by construction.
    A crash is blamed on one choice or pair of choices of the crashed configuration not seen in
-   one that ran; a candidate holding most of those suspects is tried last.
+   one that ran; a candidate holding most of those suspects is tried last, and every
+   candidate's acquisition is weighed by its chance to escape every crash's suspects.
 5. **Choice.** Propose the untried configuration with the highest expected improvement of log
    tokens/s over the best feasible measurement times its probability to fit the budget
    (constraint-weighted EI), among those with at least a 20% chance to fit; every other
    trial only among the best one's neighbours (at most 2 choices changed: a trust region),
    unless all of them are hopeless. If nothing is likely to fit, the smallest predicted peak
    (to learn where the boundary is).
+6. **Stall.** After ``STALL`` trials without a better feasible measurement the hard rules become
+   beliefs: what an OOM implies and a crash's likely suspects are weighed by their chance to
+   fit and to run instead of waiting last, and candidates down to a 5% chance to fit are
+   considered (the optimum of a landscape the models misjudge hides behind them).
 
 It is an Optuna sampler: each trial's whole configuration is planned in ``before_trial`` and
 ``sample_independent`` answers the space's suggest calls from the plan, so the study, its
@@ -59,7 +64,7 @@ Predictor = Callable[[Config], tuple[float, float]]
 #: ridge strength of the loss-regression fit for a lossy dimension whose knob states no
 #: ``loss_prior`` (the prior belief that its choices do not regress the loss)
 LOSS_RIDGE_DEFAULT = 0.05
-#: the crash model (``_crash_penalty``): the share of a crash's suspect choices and pairs
+#: the crash model (``_crash_risk``): the share of a crash's suspect choices and pairs
 #: above which a candidate is tried last
 CRASH_THRESHOLD = 0.5
 #: system attr holding a running trial's planned configuration (seen by other workers)
@@ -147,6 +152,31 @@ def foreign_record(a: dict[str, Any]) -> str:
     return ""
 
 
+#: trials without a better feasible measurement after which an OOM no longer rules out what
+#: needs no less memory (``trials_since_improvement``): the rule is then one more belief
+#: (the corrected peak's chance to fit) and no longer a wall
+STALL = 6
+
+
+def trials_since_improvement(
+    history: Sequence[Observation], budget: float, loss_tolerance: float
+) -> int:
+    """Measured trials (in ``history``'s order) since the best feasible speed last rose."""
+    best, since = 0.0, 0
+    for o in history:
+        if o.status == "running":
+            continue
+        since += 1
+        if (
+            o.status == "ok"
+            and 0 < o.peak_bytes <= budget
+            and o.tokens_per_s > best
+            and (o.loss_regression is None or o.loss_regression <= loss_tolerance)
+        ):
+            best, since = o.tokens_per_s, 0
+    return since
+
+
 def observations(study: optuna.Study) -> list[Observation]:
     out = []
     for t in study.get_trials(deepcopy=False, states=(TrialState.FAIL,)):
@@ -224,6 +254,9 @@ CONTENDER_WITHIN = 0.10
 CONTENDERS_ATTR = "unmeasured_contenders"
 #: a candidate less likely than this to fit the budget is not proposed while another is
 MIN_FIT_PROBABILITY = 0.2
+#: the same once the search has stalled (``STALL``): the corrected peak can be as wrong as the
+#: speed, and a needle the peak model doubts is still weighed by its chance to fit
+STALLED_MIN_FIT = 0.05
 
 
 class _HammingGP:
@@ -432,6 +465,8 @@ class AutotuneSampler(BaseSampler):
         oom_y: list[float] = []
         loss_rows: list[int] = []
         loss_y: list[float] = []
+        implied = np.zeros(len(self.candidates), dtype=bool)
+        stalled = trials_since_improvement(history, self.budget, self.loss_tolerance) >= STALL
         for o in history:
             i = self._index.get(config_key(o.config))
             if i is None:
@@ -450,7 +485,13 @@ class AutotuneSampler(BaseSampler):
                 # a lower bound: the peak was at least the live bytes when it ran out
                 oom_rows.append(i)
                 oom_y.append(math.log(max(o.peak_bytes, self.budget)) - self._log_peak[i])
-                done |= self._implied_oom(i)
+                implied |= self._implied_oom(i)
+        # a search stalled that long may be held back by its own assumptions: memory monotone
+        # in the micro-batch and checkpointing holds on real hardware, but a measurement's
+        # noise at the budget's edge (or a space whose peaks are not) can hide the optimum
+        # behind one OOM; the corrected peak's chance to fit still weighs those candidates
+        if not stalled:
+            done |= implied
 
         if done.all():
             return None, None
@@ -502,11 +543,16 @@ class AutotuneSampler(BaseSampler):
             w = np.linalg.solve(x.T @ x + np.diag(self._loss_alpha), x.T @ y)
             predicted = self._x[:, self._lossy] @ w
             penalty = (predicted > self.loss_tolerance).astype(float)
-        penalty += self._crash_penalty(history)
+        crash_share, p_crash = self._crash_risk(history)
+        if not stalled:  # stalled: a crash's likely suspects weigh, they no longer wait last
+            penalty += np.asarray(crash_share > CRASH_THRESHOLD, dtype=float)
+        # what a crash costs is a trial with nothing measured: weigh the expected improvement
+        # by the chance to run as well as the chance to fit (constraint-weighted EI)
+        acquisition += np.log(np.maximum(1.0 - p_crash, 1e-300))
         model = _Model(done, log_speed, p_fit, penalty, max(feasible)[0] if feasible else None)
         candidates = ~done
         if (p_fit[candidates] >= MIN_FIT_PROBABILITY).any():
-            candidates &= p_fit >= MIN_FIT_PROBABILITY
+            candidates &= p_fit >= (STALLED_MIN_FIT if stalled else MIN_FIT_PROBABILITY)
             # every other trial a local step: the best acquisition among the incumbent's
             # neighbours (a trust region, as TuRBO / CASMOPOLITAN do for categorical spaces),
             # so a good configuration is improved choice by choice whatever the model believes
@@ -525,13 +571,15 @@ class AutotuneSampler(BaseSampler):
             best = int(np.argmin(np.where(done, np.inf, log_peak)))
         return self.candidates[int(best)], model
 
-    def _crash_penalty(self, history: Sequence[Observation]) -> np.ndarray:
-        """1 for candidates predicted to crash. A crash is blamed on one choice or one pair of
-        choices of the crashed configuration (flash-attention with fp32), never on one seen
-        together in a configuration that ran (ok or OOM); a candidate's chance to crash like it
-        is the share of those suspects it contains, and over ``CRASH_THRESHOLD`` it is tried
-        last. So a near-copy of a crash waits while what shares only a few of its choices does
-        not, and each run narrows the suspects down."""
+    def _crash_risk(self, history: Sequence[Observation]) -> tuple[np.ndarray, np.ndarray]:
+        """Per candidate: the largest share of one crash's suspects it holds, and its chance to
+        crash. A crash is blamed on one choice or one pair of choices of the crashed
+        configuration (flash-attention with fp32), never on one seen together in a
+        configuration that ran (ok or OOM); a candidate's chance to crash like it is the share
+        of those suspects it contains (over ``CRASH_THRESHOLD`` it is tried last), and its
+        chance to crash at all is one less the chance to escape every crash's cause. So a
+        near-copy of a crash waits, a choice many crashes share is avoided, and each run
+        narrows the suspects down."""
         ran, crashed = [], []
         for o in history:
             i = self._index.get(config_key(o.config))
@@ -540,6 +588,7 @@ class AutotuneSampler(BaseSampler):
             elif i is not None and o.status == "failed":
                 crashed.append(i)
         penalty = np.zeros(len(self.candidates))
+        escape = np.ones(len(self.candidates))
         codes = self._hamming
         for f in crashed:
             present = (codes[f] >= 0) & self._varied
@@ -555,7 +604,8 @@ class AutotuneSampler(BaseSampler):
             upper = np.triu(suspect).astype(float)
             share = np.einsum("ij,jk,ik->i", same, upper, same) / total
             penalty = np.maximum(penalty, share)
-        return np.asarray(penalty > CRASH_THRESHOLD, dtype=float)
+            escape *= 1.0 - share
+        return penalty, 1.0 - escape
 
     # --- the Optuna sampler interface ------------------------------------------------------------
 
