@@ -14,6 +14,7 @@ import time
 from autotune.estimate_backend import estimate_space, hardware_for
 from autotune.estimator.exhaustive import score
 from autotune.estimator.gpus import GPUS
+from autotune.estimator.workload import Workload
 from autotune.models import MODELS
 
 GOAL_CPU_S = 10.0
@@ -25,14 +26,14 @@ def main() -> None:
     args = parser.parse_args()
     gpu = GPUS["h100"]
     configs = estimate_space().resolve(32, hardware_for(gpu, 8)).grid()
-    kw = {"seq_len": 2048, "global_batch_size": 32, "nproc": 8, "gpu": gpu}
+    kw = {"seq_len_tokens": 2048, "global_batch_sequences": 32, "processes": 8, "gpu": gpu}
     model = MODELS["llama-70b"].config
     # the per-model quantities (the model built on the meta device) once, before the clock
-    score(model, configs[:1], budget_bytes=80 * 10**9, **kw)
+    score(Workload(model, **kw), configs[:1], budget_bytes=80 * 10**9)
     times = []
     for _ in range(max(1, args.repeat)):
         t0 = time.process_time()
-        score(model, configs, budget_bytes=80 * 10**9, **kw)
+        score(Workload(model, **kw), configs, budget_bytes=80 * 10**9)
         times.append(time.process_time() - t0)
     best = min(times)
     print(f"llama-70b estimate space on 8x H100: {len(configs):,} configurations scored")
