@@ -176,7 +176,6 @@ def step_time(
         raise ValueError("the roofline prices a GPU: the workload names none")
     st = stats_of(workload.model_config)
     seq_len, global_batch_size = workload.seq_len_tokens, workload.global_batch_sequences
-    nproc = workload.processes
     shape = _typical_shape(workload, config)
     config = dict(TECHNIQUES.priced_as(config))
     precision = precision_of(config)
@@ -188,7 +187,6 @@ def step_time(
     tokens = micro * seq_len  # per micro-batch (positions, padding included)
     if shape is not None:
         tokens, seq_len = shape.positions, shape.length
-    n = max(1, nproc)
 
     # --- per micro-batch: forward, backward ----------------------------------------------------
     per_layer_mm = st.layer_matrix_params + st.expert_params * max(1, st.top_k) // max(
@@ -201,8 +199,7 @@ def step_time(
     step = SpeedStep(
         config=config,
         stats=st,
-        gpu=gpu,
-        nproc=n,
+        workload=workload,
         accum=accum,
         tokens=tokens,
         seq_len=seq_len,
@@ -215,7 +212,6 @@ def step_time(
         layer_act_bytes=layer_act_bytes,
         elementwise_passes=ELEMENTWISE_PASSES,
         offloaded_activations=offloaded_activations,
-        documents=shape is not None,
         mm_params=mm_params,
         attn_flops=attn_flops,
         attn_fwd=attn_fwd,
