@@ -24,6 +24,7 @@ from autotune.estimator.exhaustive import (
 )
 from autotune.estimator.gpus import GpuSpec, default_gpu, gpu_spec
 from autotune.estimator.prediction_runners import EstimateRunner, PrescreenRunner
+from autotune.estimator.workload import Workload
 from autotune.runner import TrialRunner
 from autotune.space import SearchSpace
 from autotune.study import StudySettings
@@ -86,12 +87,24 @@ def machine_memory() -> int:
     return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
 
 
+def study_workload(settings: StudySettings) -> Workload:
+    """What an estimate study trains, on the GPU it plans for."""
+    return Workload(
+        model_config=settings.model_config,
+        seq_len_tokens=settings.seq_len,
+        global_batch_sequences=settings.global_batch_size,
+        processes=settings.nproc,
+        nodes=settings.nodes,
+        gpu=gpu_spec(settings.target_gpu),
+        documents=settings.trial_documents(),
+    )
+
+
 def study_gpu(settings: StudySettings) -> GpuSpec:
     """The GPU an estimate study plans for; over several nodes ZeRO's collectives (and the
     host memory, per node) are priced on the nodes' network and hosts."""
-    gpu = gpu_spec(settings.target_gpu)
-    if settings.nodes > 1:
-        gpu = gpu.spanning(settings.nodes, settings.nproc // settings.nodes)
+    gpu = study_workload(settings).device
+    assert gpu is not None  # a study's target GPU is named
     return gpu
 
 
@@ -104,15 +117,10 @@ def space_scores(settings: StudySettings) -> list[Scored]:
     """Every configuration of the study's space scored."""
     space = SearchSpace.from_dict(settings.space, "study")
     return score(
-        settings.model_config,
+        study_workload(settings),
         space.grid(),
-        seq_len=settings.seq_len,
-        global_batch_size=settings.global_batch_size,
-        nproc=settings.nproc,
-        gpu=study_gpu(settings),
         budget_bytes=settings.budget_bytes,
         host_budget_bytes=settings.host_budget_bytes or None,
-        documents=settings.trial_documents(),
     )
 
 

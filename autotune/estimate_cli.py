@@ -13,6 +13,7 @@ from rich.table import Table
 from autotune.estimate_backend import (
     HOST_FRONTIER,
     study_gpu,
+    study_workload,
 )
 from autotune.estimator.base import PARTS, Estimate
 from autotune.estimator.exhaustive import (
@@ -124,16 +125,10 @@ def confirm_winner(
             "fits[/yellow]"
         )
         return
-    kw: dict[str, Any] = {
-        "seq_len": settings.seq_len,
-        "global_batch_size": settings.global_batch_size,
-        "nproc": settings.nproc,
-        "gpu": gpu,
-        "documents": settings.trial_documents(),  # variable-length data: as the scores had it
-    }
     config = head.best.config
     an = head.best.estimate
-    tr = TracedEstimator().estimate(settings.model_config, config, **kw)
+    # variable-length data: as the scores had it
+    tr = TracedEstimator().estimate(study_workload(settings), config)
     console.print(breakdown_table([("analytical", an), ("traced", tr)], budget, head.cls))
     console.print(
         f"[bold green]predicted best for {gpu.name}[/bold green] (full training, {head.cls}): "

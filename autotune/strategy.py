@@ -677,6 +677,7 @@ def analytical_predictor(
     """The analytical estimator's (peak, tokens/s) for a target GPU, or a nominal CPU."""
     from autotune.estimator.analytical import AnalyticalEstimator
     from autotune.estimator.gpus import GpuSpec, Machine, gpu_spec
+    from autotune.estimator.workload import Workload
 
     gpu = (
         gpu_spec(gpu_key)
@@ -697,17 +698,17 @@ def analytical_predictor(
     if nodes > 1:
         gpu = gpu.spanning(nodes, nproc // nodes)
     estimator = AnalyticalEstimator()
+    workload = Workload(
+        model_config=model_config,
+        seq_len_tokens=seq_len,
+        global_batch_sequences=global_batch_size,
+        processes=nproc,
+        gpu=gpu,  # spanning its nodes above
+        documents=documents,
+    )
 
     def predict(config: Config) -> tuple[float, float]:
-        est = estimator.estimate(
-            model_config,
-            config,
-            seq_len=seq_len,
-            global_batch_size=global_batch_size,
-            nproc=nproc,
-            gpu=gpu,
-            documents=documents,
-        )
+        est = estimator.estimate(workload, config)
         return float(est.peak_bytes), float(est.tokens_per_s)
 
     return predict

@@ -18,16 +18,17 @@ from typing import Any
 from autotune.estimate_backend import estimate_space, hardware_for
 from autotune.estimator.exhaustive import score
 from autotune.estimator.gpus import GPUS
+from autotune.estimator.workload import Workload
 from autotune.models import MODELS
 
 GOAL_CPU_S = 10.0
 
 
-def cpu_times(configs: list[dict[str, Any]], repeat: int, **kw: Any) -> list[float]:
+def cpu_times(configs: list[dict[str, Any]], repeat: int, workload: Workload) -> list[float]:
     times = []
     for _ in range(max(1, repeat)):
         t0 = time.process_time()
-        score(MODELS["llama-70b"].config, configs, budget_bytes=80 * 10**9, **kw)
+        score(workload, configs, budget_bytes=80 * 10**9)
         times.append(time.process_time() - t0)
     return times
 
@@ -38,16 +39,22 @@ def main() -> None:
     args = parser.parse_args()
     gpu = GPUS["h100"]
     configs = estimate_space().resolve(32, hardware_for(gpu, 8)).grid()
-    kw: dict[str, Any] = {"seq_len": 2048, "global_batch_size": 32, "nproc": 8, "gpu": gpu}
+    workload = Workload(
+        MODELS["llama-70b"].config,
+        seq_len_tokens=2048,
+        global_batch_sequences=32,
+        processes=8,
+        gpu=gpu,
+    )
     # the per-model quantities (the model built on the meta device) once, before the clock
-    score(MODELS["llama-70b"].config, configs[:1], budget_bytes=80 * 10**9, **kw)
+    score(workload, configs[:1], budget_bytes=80 * 10**9)
     full = [c for c in configs if c.get("adapter", "none") == "none"]
     adapters = [c for c in configs if c.get("adapter", "none") != "none"]
     print(f"llama-70b estimate space on 8x H100: {len(configs):,} configurations")
     for label, part in (("full-training grid", full), ("adapters' grid (LoRA/DoRA)", adapters)):
         if not part:
             continue
-        times = cpu_times(part, args.repeat, **kw)
+        times = cpu_times(part, args.repeat, workload)
         best = min(times)
         print(
             f"{label}: {len(part):,} configurations, CPU time best {best:.2f} s of {len(times)} "

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from autotune.estimator.analytical import AnalyticalEstimator
 from autotune.estimator.traced import TracedEstimator
+from autotune.estimator.workload import Workload
 from autotune.models import MODELS
 from trials.job import run_trial
 from trials.spec import TrialSpec
@@ -86,10 +87,10 @@ def main(argv: list[str] | None = None) -> int:
         seq, gbs = SHAPES.get(name, (entry.seq_len, entry.global_batch_size))
         for extra in CONFIGS:
             config = {**BASE, **extra}
-            kw = {"seq_len": seq, "global_batch_size": gbs}
+            kw = {"seq_len_tokens": seq, "global_batch_sequences": gbs}
             t0 = time.perf_counter()
-            tr = traced.estimate(entry.config, config, **kw).peak_bytes
-            an = analytical.estimate(entry.config, config, **kw).peak_bytes
+            tr = traced.estimate(Workload(entry.config, **kw), config).peak_bytes
+            an = analytical.estimate(Workload(entry.config, **kw), config).peak_bytes
             measured = "-"
             e_tr = ""
             if not args.no_measure:
@@ -126,11 +127,13 @@ def measured_table(worst: int = 6) -> int:
     rows: list[tuple[float, dict[str, Any]]] = []
     for row in table["rows"]:
         predicted = analytical.estimate(
-            table["model_config"],
+            Workload(
+                table["model_config"],
+                seq_len_tokens=table["seq_len"],
+                global_batch_sequences=table["global_batch_size"],
+                processes=1,
+            ),
             row["config"],
-            seq_len=table["seq_len"],
-            global_batch_size=table["global_batch_size"],
-            nproc=1,
         ).peak_bytes
         rows.append((pct(predicted, row["peak_bytes"]), row["config"]))
     print("| ZeRO stage | rows | median abs error | most under | most over |")

@@ -54,6 +54,7 @@ from autotune.estimator.analytical import AnalyticalEstimator
 from autotune.estimator.gpus import GPUS
 from autotune.estimator.paging import apply_budget
 from autotune.estimator.speed import MODEL_ERROR
+from autotune.estimator.workload import Workload
 from autotune.models import MODELS, stats_of
 from autotune.space import SearchSpace
 from trials.data import Documents
@@ -376,12 +377,14 @@ def predict(row: Row) -> Prediction:
     gpu = GPUS[row.gpu]
     batch = int(row.config.get("micro_batch_size", 1))
     est = AnalyticalEstimator().estimate(
-        model,
+        Workload(
+            model,
+            seq_len_tokens=row.seq,
+            global_batch_sequences=batch,
+            gpu=gpu,
+            documents=row.documents,
+        ),
         row.config,
-        seq_len=row.seq,
-        global_batch_size=batch,
-        gpu=gpu,
-        documents=row.documents,
     )
     budget = BUDGETS.get(row.label, gpu.memory_bytes)
     paging = apply_budget(est, model, row.config, budget, gpu)

@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from autotune.availability import Hardware
 from autotune.estimator.analytical import AnalyticalEstimator
 from autotune.estimator.gpus import gpu_spec
+from autotune.estimator.workload import Workload
 from autotune.models import MODELS, stats_of
 from autotune.runner import TrialRunner
 from autotune.space import SearchSpace
@@ -390,12 +391,14 @@ def interaction_prior(c: Config) -> tuple[float, float]:
     if key not in _PRIOR:
         entry = MODELS[INTERACTION_MODEL]
         e = AnalyticalEstimator().estimate(
-            entry.config,
+            Workload(
+                entry.config,
+                seq_len_tokens=entry.seq_len,
+                global_batch_sequences=entry.global_batch_size,
+                processes=INTERACTION_NPROC,
+                gpu=gpu_spec(INTERACTION_GPU),
+            ),
             c,
-            seq_len=entry.seq_len,
-            global_batch_size=entry.global_batch_size,
-            nproc=INTERACTION_NPROC,
-            gpu=gpu_spec(INTERACTION_GPU),
         )
         _PRIOR[key] = (float(e.peak_bytes), float(e.tokens_per_s))
     return _PRIOR[key]

@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from autotune.estimator import speed
 from autotune.estimator.activations import layer_activation_bytes
 from autotune.estimator.gpus import GPUS
+from autotune.estimator.workload import Workload
 from autotune.models import stats_of
 
 
@@ -202,7 +203,7 @@ def predict(f: Figure) -> float:
     config.update(f.config)
     gbs = f.micro * f.accum
     acts = layer_activation_bytes(st, config, f.seq, f.micro)
-    t = speed.step_time(st, config, f.seq, gbs, f.nproc, GPUS[f.gpu], acts)
+    t = speed.step_time(Workload(f.model, f.seq, gbs, f.nproc, gpu=GPUS[f.gpu]), config, acts)
     return gbs * f.seq / t.total
 
 

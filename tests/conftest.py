@@ -21,6 +21,7 @@ from click.testing import CliRunner, Result
 
 from autotune.cli import main
 from autotune.estimator.states import clear_caches
+from autotune.estimator.workload import Workload
 from autotune.models import MODELS
 from autotune.study import StudySettings
 from trials.spec import TrialResult, TrialSpec
@@ -76,12 +77,14 @@ def measured_and_predicted(spec: TrialSpec, folder: Path) -> tuple[TrialResult, 
     result = SubprocessRunner(folder, timeout_s=600).run(spec, folder.name)
     assert result.status == "ok", result.error + result.stderr_tail
     predicted = AnalyticalEstimator().estimate(
-        spec.model_config,
+        Workload(
+            spec.model_config,
+            seq_len_tokens=spec.seq_len,
+            global_batch_sequences=spec.global_batch_size,
+            processes=spec.nproc,
+            documents=trial_documents(spec),
+        ),
         spec.config,
-        seq_len=spec.seq_len,
-        global_batch_size=spec.global_batch_size,
-        nproc=spec.nproc,
-        documents=trial_documents(spec),
     )
     return result, predicted.peak_bytes
 

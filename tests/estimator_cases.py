@@ -21,6 +21,7 @@ from autotune.estimator.base import PARTS, Estimate
 from autotune.estimator.gpus import GPUS
 from autotune.estimator.paging import apply_budget
 from autotune.estimator.traced import TracedEstimator
+from autotune.estimator.workload import Workload
 from autotune.models import MODELS
 from autotune.space import SearchSpace
 from trials.data import Documents
@@ -133,15 +134,15 @@ def output(case: dict[str, Any], traced: TracedEstimator) -> list[Any]:
     docs = Documents.of(case["documents"])
     model_config = MODELS[case["model"]].config
     try:
-        est = estimator.estimate(
-            model_config,
-            dict(case["config"]),
-            seq_len=case["seq_len"],
-            global_batch_size=case["global_batch_size"],
-            nproc=case["nproc"],
+        workload = Workload(
+            model_config=model_config,
+            seq_len_tokens=case["seq_len"],
+            global_batch_sequences=case["global_batch_size"],
+            processes=case["nproc"],
             gpu=gpu,
             documents=docs,
         )
+        est = estimator.estimate(workload, dict(case["config"]))
     except ArithmeticError as e:  # a precision the GPU has no rate for (bf16 on a V100)
         return ["error", type(e).__name__]
     row = _row(est)

@@ -32,6 +32,7 @@ from autotune.estimator.base import Estimate
 from autotune.estimator.exhaustive import Scored, best_per_class, headline, score
 from autotune.estimator.gpus import gpu_spec
 from autotune.estimator.prediction_runners import PRUNED, EstimateRunner, PrescreenRunner
+from autotune.estimator.workload import Workload
 from autotune.models import resolve_model
 from autotune.runner import TrialRunner
 from trials.spec import TrialResult, TrialSpec
@@ -62,7 +63,7 @@ def _spec(config: dict[str, Any], budget: int | None = None, host: int | None = 
 
 def _predict(config: dict[str, Any]) -> Estimate:
     return AnalyticalEstimator().estimate(
-        MODEL, config, seq_len=512, global_batch_size=1, nproc=1, gpu=GPU
+        Workload(MODEL, seq_len_tokens=512, global_batch_sequences=1, processes=1, gpu=GPU), config
     )
 
 
@@ -115,12 +116,16 @@ def test_the_prescreen_skips_only_beyond_the_margin_on_device_or_host() -> None:
     (skipped); the same for the host against the host bytes, not the device peak."""
     inner = _Ran()
     screen = PrescreenRunner(inner, AnalyticalEstimator(), 0.25)
-    cpu = AnalyticalEstimator().estimate(MODEL, ON_DEVICE, seq_len=512, global_batch_size=1)
+    cpu = AnalyticalEstimator().estimate(
+        Workload(MODEL, seq_len_tokens=512, global_batch_sequences=1), ON_DEVICE
+    )
     assert screen.run(_spec(ON_DEVICE, budget=int(cpu.peak_bytes / 1.2)), "a").status == "ok"
     skipped = screen.run(_spec(ON_DEVICE, budget=int(cpu.peak_bytes / 1.3)), "b")
     assert skipped.status == "oom" and skipped.error.startswith(PRUNED)
     assert screen.attrs_for(skipped) == {"pruned_by_estimate": True, "predicted": True}
-    off = AnalyticalEstimator().estimate(MODEL, OFFLOADED, seq_len=512, global_batch_size=1)
+    off = AnalyticalEstimator().estimate(
+        Workload(MODEL, seq_len_tokens=512, global_batch_sequences=1), OFFLOADED
+    )
     assert screen.run(_spec(OFFLOADED, host=int(off.host_bytes / 1.2)), "c").status == "ok"
     host_skip = screen.run(_spec(OFFLOADED, host=int(off.host_bytes / 1.3)), "d")
     assert host_skip.status == "oom" and "host memory" in host_skip.error
@@ -135,23 +140,15 @@ def test_scoring_says_which_memory_is_over() -> None:
     host = (off.peak_bytes + off.host_bytes) // 2
     assert dev.host_bytes < host < dev.peak_bytes
     scored = score(
-        MODEL,
+        Workload(MODEL, seq_len_tokens=512, global_batch_sequences=1, processes=1, gpu=GPU),
         [OFFLOADED, ON_DEVICE],
-        seq_len=512,
-        global_batch_size=1,
-        nproc=1,
-        gpu=GPU,
         budget_bytes=dev.peak_bytes,
         host_budget_bytes=host,
     )
     assert [(s.fits, s.why_not) for s in scored] == [(False, "host memory"), (True, "")]
     tight = score(
-        MODEL,
+        Workload(MODEL, seq_len_tokens=512, global_batch_sequences=1, processes=1, gpu=GPU),
         [OFFLOADED, ON_DEVICE],
-        seq_len=512,
-        global_batch_size=1,
-        nproc=1,
-        gpu=GPU,
         budget_bytes=off.peak_bytes - 1,
         host_budget_bytes=1,
     )

@@ -15,6 +15,7 @@ from autotune.estimate_backend import estimate_space, hardware_for
 from autotune.estimator.analytical import AnalyticalEstimator
 from autotune.estimator.base import Estimate
 from autotune.estimator.gpus import GPUS
+from autotune.estimator.workload import Workload
 from autotune.models import MODELS, stats_of
 from autotune.space import SearchSpace
 from autotune.yaml_limits import parse_yaml
@@ -77,7 +78,14 @@ def test_the_estimate_grid_keeps_the_techniques_exclusions(grid: list[dict]) -> 
 
 def estimate(config: dict) -> Estimate:
     return AnalyticalEstimator().estimate(
-        LLAMA7B, config, seq_len=2048, global_batch_size=32, nproc=1, gpu=GPUS["rtx4090"]
+        Workload(
+            LLAMA7B,
+            seq_len_tokens=2048,
+            global_batch_sequences=32,
+            processes=1,
+            gpu=GPUS["rtx4090"],
+        ),
+        config,
     )
 
 
@@ -110,15 +118,16 @@ def test_the_step_in_backward_never_holds_every_gradient() -> None:
     st = stats_of(LLAMA7B)
     config = {**BASE, "precision": "fp32", "micro_batch_size": 32}
     plain = AnalyticalEstimator().estimate(
-        LLAMA7B, config, seq_len=128, global_batch_size=32, nproc=1, gpu=GPUS["h100"]
+        Workload(
+            LLAMA7B, seq_len_tokens=128, global_batch_sequences=32, processes=1, gpu=GPUS["h100"]
+        ),
+        config,
     )
     fused = AnalyticalEstimator().estimate(
-        LLAMA7B,
+        Workload(
+            LLAMA7B, seq_len_tokens=128, global_batch_sequences=32, processes=1, gpu=GPUS["h100"]
+        ),
         {**config, "optimizer_in_backward": True},
-        seq_len=128,
-        global_batch_size=32,
-        nproc=1,
-        gpu=GPUS["h100"],
     )
     saved = plain.peak_bytes - fused.peak_bytes
     assert saved == pytest.approx(4 * (st.n_params - st.largest_param), rel=0.002)

@@ -16,6 +16,7 @@ from autotune.estimator.gpus import GPUS, default_gpu, gpu_spec
 from autotune.estimator.prediction_runners import EstimateRunner, PrescreenRunner
 from autotune.estimator.states import model_states
 from autotune.estimator.traced import TracedEstimator
+from autotune.estimator.workload import Workload
 from autotune.models import MODELS
 from autotune.runner import SubprocessRunner
 from tests.conftest import TINY, cli, tiny_spec
@@ -97,7 +98,8 @@ def test_traced_matches_a_real_measured_cpu_trial(extra: dict, tmp_path: Path) -
     # the job's peak resident set: at least the tracked tensors (the CPU plays the device here)
     assert measured.host_peak_bytes > measured.peak_bytes
     traced = TracedEstimator(cache=tmp_path).estimate(
-        TINY, spec.config, seq_len=spec.seq_len, global_batch_size=spec.global_batch_size
+        Workload(TINY, seq_len_tokens=spec.seq_len, global_batch_sequences=spec.global_batch_size),
+        spec.config,
     )
     assert traced.peak_bytes == pytest.approx(measured.peak_bytes, rel=0.05)
     assert sum(traced.breakdown.values()) == traced.peak_bytes
@@ -115,35 +117,35 @@ TINY_AGREEMENT = 0.025
 @pytest.mark.parametrize("extra", TINY_CONFIGS)
 def test_analytical_agrees_with_traced_on_tiny(extra: dict, tmp_path: Path) -> None:
     config = {**BASE, "optimizer": "adamw", **extra}
-    kw = {"seq_len": 64, "global_batch_size": 8}
-    traced = TracedEstimator(cache=tmp_path).estimate(TINY, config, **kw)
-    analytical = AnalyticalEstimator().estimate(TINY, config, **kw)
+    kw = {"seq_len_tokens": 64, "global_batch_sequences": 8}
+    traced = TracedEstimator(cache=tmp_path).estimate(Workload(TINY, **kw), config)
+    analytical = AnalyticalEstimator().estimate(Workload(TINY, **kw), config)
     assert analytical.peak_bytes == pytest.approx(traced.peak_bytes, rel=TINY_AGREEMENT)
 
 
 def test_traced_and_analytical_agree_on_llama7b_and_cache(tmp_path: Path) -> None:
     config = {**BASE, "optimizer": "adamw", "precision": "bf16", "micro_batch_size": 1}
-    kw = {"seq_len": 2048, "global_batch_size": 32, "gpu": GPUS["h100"]}
+    kw = {"seq_len_tokens": 2048, "global_batch_sequences": 32, "gpu": GPUS["h100"]}
     traced_est = TracedEstimator(cache=tmp_path)
-    traced = traced_est.estimate(LLAMA7B, config, **kw)
-    analytical = AnalyticalEstimator().estimate(LLAMA7B, config, **kw)
+    traced = traced_est.estimate(Workload(LLAMA7B, **kw), config)
+    analytical = AnalyticalEstimator().estimate(Workload(LLAMA7B, **kw), config)
     assert analytical.peak_bytes == pytest.approx(traced.peak_bytes, rel=0.05)
     # 16 B/param of model states with gradients accumulated over micro-batches, + activations
     assert traced.peak_bytes > 16 * PSI
     assert len(list((tmp_path / "traced").glob("*.json"))) == 1
-    again = traced_est.estimate(LLAMA7B, config, **kw)
+    again = traced_est.estimate(Workload(LLAMA7B, **kw), config)
     assert again.peak_bytes == traced.peak_bytes
     # roofline: a 7B model on one H100 trains at a few thousand tokens/s
     assert 1_000 < traced.tokens_per_s < 10_000
 
 
 def test_checkpointing_and_zero_lower_the_prediction() -> None:
-    kw = {"seq_len": 2048, "global_batch_size": 32, "gpu": GPUS["a100-80gb"]}
+    kw = {"seq_len_tokens": 2048, "global_batch_sequences": 32, "gpu": GPUS["a100-80gb"]}
     est = AnalyticalEstimator()
     base = {**BASE, "optimizer": "adamw", "precision": "bf16", "micro_batch_size": 4}
-    plain = est.estimate(LLAMA7B, base, **kw)
-    ckpt = est.estimate(LLAMA7B, {**base, "gradient_checkpointing": "full"}, **kw)
-    zero3 = est.estimate(LLAMA7B, {**base, "zero_stage": 3}, nproc=8, **kw)
+    plain = est.estimate(Workload(LLAMA7B, **kw), base)
+    ckpt = est.estimate(Workload(LLAMA7B, **kw), {**base, "gradient_checkpointing": "full"})
+    zero3 = est.estimate(Workload(LLAMA7B, processes=8, **kw), {**base, "zero_stage": 3})
     assert ckpt.peak_bytes < plain.peak_bytes and ckpt.tokens_per_s < plain.tokens_per_s
     assert zero3.peak_bytes < plain.peak_bytes
 

@@ -14,6 +14,7 @@ from autotune.estimator.analytical import AnalyticalEstimator
 from autotune.estimator.base import Estimator
 from autotune.estimator.states import model_states
 from autotune.estimator.traced import TracedEstimator
+from autotune.estimator.workload import Workload
 from tests.conftest import measured_and_predicted, tiny_spec
 
 SMALL_BUCKETS = {"reduce_bucket_size": 5_000_000, "allgather_bucket_size": 5_000_000}
@@ -109,11 +110,13 @@ def test_deepspeed_trials_as_measured(key: str) -> None:
         measured_steps=1,
     )
     predicted = AnalyticalEstimator().estimate(
-        spec.model_config,
+        Workload(
+            spec.model_config,
+            seq_len_tokens=spec.seq_len,
+            global_batch_sequences=spec.global_batch_size,
+            processes=nproc,
+        ),
         spec.config,
-        seq_len=spec.seq_len,
-        global_batch_size=spec.global_batch_size,
-        nproc=nproc,
     )
     assert predicted.peak_bytes == pytest.approx(peak, rel=rel)
     states = model_states(
@@ -136,11 +139,13 @@ def measured_table_errors(estimator: Estimator, stages: tuple[int, ...]) -> list
     table = json.loads(DEFAULT_OUT.read_text())
     return [
         estimator.estimate(
-            table["model_config"],
+            Workload(
+                table["model_config"],
+                seq_len_tokens=table["seq_len"],
+                global_batch_sequences=table["global_batch_size"],
+                processes=1,
+            ),
             row["config"],
-            seq_len=table["seq_len"],
-            global_batch_size=table["global_batch_size"],
-            nproc=1,
         ).peak_bytes
         / row["peak_bytes"]
         - 1
@@ -273,7 +278,9 @@ def test_replica_zero_offload_peaks_as_measured(case: str) -> None:
     config = {**REPLICA_OFFLOAD, **extra}
     # the estimates first: a ZeRO-3 trial leaves this process's modules patched
     predicted = [
-        estimator.estimate(REPLICA, config, seq_len=64, global_batch_size=4).peak_bytes
+        estimator.estimate(
+            Workload(REPLICA, seq_len_tokens=64, global_batch_sequences=4), config
+        ).peak_bytes
         for estimator in (AnalyticalEstimator(), TracedEstimator(use_cache=False))
     ]
     spec = TrialSpec(
@@ -316,10 +323,12 @@ def test_traced_peak_of_one_measured_row_per_stage(stage: int) -> None:
         and row["config"].get("offload_param", "none") == "none"
     ]
     predicted = TracedEstimator(use_cache=False).estimate(
-        table["model_config"],
+        Workload(
+            table["model_config"],
+            seq_len_tokens=table["seq_len"],
+            global_batch_sequences=table["global_batch_size"],
+            processes=1,
+        ),
         row["config"],
-        seq_len=table["seq_len"],
-        global_batch_size=table["global_batch_size"],
-        nproc=1,
     )
     assert predicted.peak_bytes == pytest.approx(row["peak_bytes"], rel=TRACED_ROWS[stage])

@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from autotune.estimator.analytical import AnalyticalEstimator
+from autotune.estimator.workload import Workload
 from autotune.models import stats_of
 
 MODEL = {
@@ -47,7 +48,9 @@ def _layer(tokens: int) -> int:
 
 
 def _estimate(config: dict[str, Any]) -> Any:
-    return AnalyticalEstimator().estimate(MODEL, config, seq_len=2048, global_batch_size=8)
+    return AnalyticalEstimator().estimate(
+        Workload(MODEL, seq_len_tokens=2048, global_batch_sequences=8), config
+    )
 
 
 def test_the_hand_model_has_the_parameters_counted_here() -> None:

@@ -13,6 +13,7 @@ import torch
 from autotune.errors import UserError
 from autotune.estimator.analytical import AnalyticalEstimator
 from autotune.estimator.traced import TracedEstimator
+from autotune.estimator.workload import Workload
 from autotune.models import MODELS, count_params, resolve_model, stats_of, validate_config
 from tests.conftest import cli
 
@@ -111,7 +112,7 @@ def test_gpt2_config_json_is_accepted(tmp_path: Path) -> None:
     assert entry.n_params == MODELS["gpt2-xl"].n_params
 
 
-KW = {"seq_len": 64, "global_batch_size": 8}
+KW = {"seq_len_tokens": 64, "global_batch_sequences": 8}
 BASE = {"gradient_checkpointing": "off", "attention": "sdpa", "optimizer": "adamw",
         "micro_batch_size": 4}  # fmt: skip
 #: every kind of configuration the analytical estimator accepts
@@ -133,8 +134,8 @@ BUCKETS = {"reduce_bucket_size": 100_000, "allgather_bucket_size": 100_000}
 
 def _both(cfg: dict, config: dict, tmp_path: Path) -> tuple[int, int]:
     c = {**BASE, **BUCKETS, **config}
-    traced = TracedEstimator(cache=tmp_path).estimate(cfg, c, **KW).peak_bytes
-    return traced, AnalyticalEstimator().estimate(cfg, c, **KW).peak_bytes
+    traced = TracedEstimator(cache=tmp_path).estimate(Workload(cfg, **KW), c).peak_bytes
+    return traced, AnalyticalEstimator().estimate(Workload(cfg, **KW), c).peak_bytes
 
 
 @pytest.mark.parametrize("family", ["llama", "mixtral"])
@@ -156,7 +157,7 @@ def test_other_families_trace_and_agree(family: str, config: dict, tmp_path: Pat
 
 def test_traced_notes_say_what_came_from_the_formula(tmp_path: Path) -> None:
     config = {**BASE, "precision": "bf16", "zero_stage": 3, "offload_optimizer": "cpu"}
-    est = TracedEstimator(cache=tmp_path).estimate(FAMILIES["mixtral"], config, **KW)
+    est = TracedEstimator(cache=tmp_path).estimate(Workload(FAMILIES["mixtral"], **KW), config)
     notes = " ".join(est.notes)
     assert "by formula" in notes and "balanced" in notes
     assert est.host_bytes > 0
@@ -179,7 +180,7 @@ def test_cli_estimate_llama7b_with_a_zero_config(
 
 def test_gemma2_traces_with_eager_where_transformers_refuses_sdpa(tmp_path: Path) -> None:
     est = TracedEstimator(cache=tmp_path).estimate(
-        FAMILIES["gemma2"], {**BASE, "precision": "bf16"}, **KW
+        Workload(FAMILIES["gemma2"], **KW), {**BASE, "precision": "bf16"}
     )
     assert est.peak_bytes > 0
     assert any("traced with eager attention" in note for note in est.notes)

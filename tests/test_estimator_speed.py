@@ -15,6 +15,7 @@ from autotune.estimator.exhaustive import best_per_class, headline, score
 from autotune.estimator.gpus import GPUS
 from autotune.estimator.prediction_runners import EstimateRunner
 from autotune.estimator.speed import MODEL_ERROR
+from autotune.estimator.workload import Workload
 from autotune.models import MODELS
 from tests.conftest import cli, tiny_spec
 
@@ -33,7 +34,10 @@ BASE = {
 def tps(gpu: str = "a100-80gb", nproc: int = 1, seq: int = 2048, **extra: object) -> float:
     config = {**BASE, **extra}
     est = AnalyticalEstimator().estimate(
-        LLAMA7B, config, seq_len=seq, global_batch_size=16, nproc=nproc, gpu=GPUS[gpu]
+        Workload(
+            LLAMA7B, seq_len_tokens=seq, global_batch_sequences=16, processes=nproc, gpu=GPUS[gpu]
+        ),
+        config,
     )
     return est.tokens_per_s
 
@@ -132,9 +136,9 @@ def test_whole_space_scored_llama70b_on_8_gpus() -> None:
     of it (how fast: ``benchmarks/estimate_speed.py``)."""
     gpu = GPUS["h100"]
     configs = estimate_space().resolve(32, hardware_for(gpu, 8)).grid()
-    kw = {"seq_len": 2048, "global_batch_size": 32, "nproc": 8, "gpu": gpu}
+    kw = {"seq_len_tokens": 2048, "global_batch_sequences": 32, "processes": 8, "gpu": gpu}
     model = MODELS["llama-70b"].config
-    scored = score(model, configs, budget_bytes=80 * 10**9, **kw)
+    scored = score(Workload(model, **kw), configs, budget_bytes=80 * 10**9)
     assert len(scored) == len(configs) > 1000
     per_class = best_per_class(scored)
     assert {"exact", "mixed"} <= set(per_class)
@@ -148,10 +152,8 @@ def test_whole_space_scored_llama70b_on_8_gpus() -> None:
 def test_llama7b_on_a_24gb_card_trains_fully_with_zero_offload() -> None:
     gpu = GPUS["rtx4090"]
     configs = estimate_space().resolve(32, hardware_for(gpu, 1)).grid()
-    scored = score(
-        LLAMA7B, configs, seq_len=2048, global_batch_size=32, nproc=1, gpu=gpu,
-        budget_bytes=24 * 10**9,
-    )  # fmt: skip
+    workload = Workload(LLAMA7B, seq_len_tokens=2048, global_batch_sequences=32, gpu=gpu)
+    scored = score(workload, configs, budget_bytes=24 * 10**9)
     head = headline(best_per_class(scored))
     assert head is not None
     # the optimizer states in host memory: ZeRO-Offload or FSDP2's CPU offload
@@ -164,10 +166,7 @@ def test_llama7b_on_a_24gb_card_trains_fully_with_zero_offload() -> None:
     assert head.best.estimate.host_bytes > 90 * 2**30
     # with only 64 GB of host RAM, full training of a 7B model fits one 24GB card in pure bf16
     # (no fp32 masters: 8 B/param of shards, gradients and AdamW states in host memory)
-    limited = score(
-        LLAMA7B, configs, seq_len=2048, global_batch_size=32, nproc=1, gpu=gpu,
-        budget_bytes=24 * 10**9, host_budget_bytes=64 * 10**9,
-    )  # fmt: skip
+    limited = score(workload, configs, budget_bytes=24 * 10**9, host_budget_bytes=64 * 10**9)
     small = headline(best_per_class(limited))
     assert small is not None and small.cls == "reduced_state"
     assert small.best.config.get("master_weights") == "bf16", small.best.config

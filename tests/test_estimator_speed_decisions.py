@@ -34,6 +34,7 @@ import torch
 from autotune.estimator.analytical import AnalyticalEstimator
 from autotune.estimator.gpus import GB, gpu_spec
 from autotune.estimator.speed import COMM_EFFICIENCY, PCIE_EFFICIENCY, step_time
+from autotune.estimator.workload import Workload
 from autotune.models import resolve_model, stats_of
 
 # --- what torch's DDP and DeepSpeed's ZeRO-Offload do, observed in a process of its own ---------
@@ -123,7 +124,7 @@ PSI = 6_738_415_616  # llama-7b's parameters
 def _step(config: dict[str, Any], gpu: Any, nproc: int, seq: int = 512, batch: int = 1) -> Any:
     st = stats_of(LLAMA7B)
     assert st.n_params == PSI
-    return step_time(st, config, seq, batch, nproc, gpu, layer_act_bytes=0)
+    return step_time(Workload(LLAMA7B, seq, batch, nproc, gpu=gpu), config, layer_act_bytes=0)
 
 
 def test_ddp_all_reduces_the_buckets_in_the_dtype_ddp_keeps_them(observed: dict) -> None:
@@ -199,11 +200,13 @@ def test_matmuls_run_at_the_precisions_peak_rate() -> None:
 
 def test_tokens_per_second_count_every_ranks_tokens_of_a_step() -> None:
     est = AnalyticalEstimator().estimate(
-        LLAMA7B,
+        Workload(
+            LLAMA7B,
+            seq_len_tokens=1024,
+            global_batch_sequences=4,
+            processes=4,
+            gpu=gpu_spec("a100-80gb"),
+        ),
         {"precision": "bf16", "zero_stage": 2, "micro_batch_size": 2},
-        seq_len=1024,
-        global_batch_size=4,
-        nproc=4,
-        gpu=gpu_spec("a100-80gb"),
     )
     assert est.tokens_per_s * est.step_time_s == pytest.approx(4 * 1024 * 4, rel=1e-12)

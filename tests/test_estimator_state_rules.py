@@ -11,6 +11,7 @@ import math
 import pytest
 
 from autotune.estimator.states import model_states
+from autotune.estimator.workload import Workload
 from autotune.models import stats_of
 from tests.conftest import TINY
 from tests.test_technique_fsdp import PARAMS, _predicted, _two_ranks
@@ -144,7 +145,10 @@ def test_offloaded_activations_are_host_memory_per_machine() -> None:
 
     def host(cfg: dict, nproc: int, **kw: object) -> tuple[dict[str, int], list[str]]:
         e = estimator.estimate(
-            TINY, cfg, seq_len=64, global_batch_size=8 * nproc, nproc=nproc, **kw
+            Workload(
+                TINY, seq_len_tokens=64, global_batch_sequences=8 * nproc, processes=nproc, **kw
+            ),
+            cfg,
         )
         return e.host_breakdown, e.notes
 
@@ -247,8 +251,8 @@ def test_the_estimators_take_any_micro_batch_and_the_accumulation_it_gives() -> 
     (``tests/test_estimator_measured.py``, 151,368,704 B on one rank)."""
     from autotune.estimator.states import estimator_states
 
-    odd = estimator_states(TINY, {"micro_batch_size": 3}, 1, 8, None)
-    assert odd == estimator_states(TINY, {"micro_batch_size": 2}, 1, 4, None)
+    odd = estimator_states(Workload(TINY, 64, 8), {"micro_batch_size": 3})
+    assert odd == estimator_states(Workload(TINY, 64, 4), {"micro_batch_size": 2})
     offload = {
         "zero_stage": 2,
         "offload_optimizer": "cpu",
@@ -257,7 +261,7 @@ def test_the_estimators_take_any_micro_batch_and_the_accumulation_it_gives() -> 
         "reduce_bucket_size": 5_000_000,
         "allgather_bucket_size": 5_000_000,
     }
-    assert estimator_states(TINY, offload, 1, 8, None).host_per_rank == 151_368_704
+    assert estimator_states(Workload(TINY, 64, 8), offload).host_per_rank == 151_368_704
 
 
 def test_fsdp2_held_by_hand() -> None:

@@ -10,6 +10,7 @@ import re
 import pytest
 
 from autotune.estimator.states import Phases, model_states
+from autotune.estimator.workload import Workload
 from autotune.models import MODELS, stats_of
 
 GIB = 2**30
@@ -434,7 +435,9 @@ def test_nodes_split_the_host_as_deepspeed_does(capsys: pytest.CaptureFixture[st
     gpu = GPUS["a100-80gb"].spanning(2, 4)
     cfg = {"zero_stage": 2, "precision": "bf16", "optimizer": "adamw"}
     for offload in ("cpu", "none"):
-        states = estimator_states(model, {**cfg, "offload_optimizer": offload}, 8, 8, gpu)
+        states = estimator_states(
+            Workload(model, 2048, 8, 8, gpu=gpu), {**cfg, "offload_optimizer": offload}
+        )
         ds_host, ds_gpu = ds[f"offload_optimizer={offload}"]
         assert states.gpu_bytes == pytest.approx(ds_gpu, rel=DS_AGREEMENT), offload
         if offload == "none":
@@ -443,8 +446,8 @@ def test_nodes_split_the_host_as_deepspeed_does(capsys: pytest.CaptureFixture[st
             by_hand = 1.5 * max(16 * psi * 4 / 8, 4 * psi * 4)
             assert states.host_bytes == pytest.approx(by_hand, abs=8)
     # a GPU prices CUDA's AdamW (one fp32 temporary of the partition), no GPU the CPU's (two)
-    on_gpu = estimator_states(model, cfg, 1, 8, GPUS["a100-80gb"]).phases
-    on_cpu = estimator_states(model, cfg, 1, 8, None).phases
+    on_gpu = estimator_states(Workload(model, 2048, 8, gpu=GPUS["a100-80gb"]), cfg).phases
+    on_cpu = estimator_states(Workload(model, 2048, 8), cfg).phases
     assert on_gpu is not None and on_cpu is not None
     assert on_gpu.step["temporaries"] == 4 * psi
     assert on_cpu.step["temporaries"] == 2 * 4 * psi
@@ -533,7 +536,7 @@ def test_the_estimators_build_zero3_under_zero_init(capsys: pytest.CaptureFixtur
     )
     cfg = {"zero_stage": 3, "precision": "bf16", "optimizer": "adamw"}
     cfg.update(offload_param="cpu", offload_optimizer="cpu")
-    host = estimator_states(model, cfg, 8, 8, GPUS["a100-80gb"]).host_bytes
+    host = estimator_states(Workload(model, 2048, 8, 8, gpu=GPUS["a100-80gb"]), cfg).host_bytes
     zero_init = ds["offload_param=cpu,offload_optimizer=cpu,zero_init=1"][0]
     whole = ds["offload_param=cpu,offload_optimizer=cpu,zero_init=0"][0]
     assert host == pytest.approx(zero_init, rel=DS_AGREEMENT)

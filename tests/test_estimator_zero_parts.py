@@ -29,6 +29,7 @@ from autotune.estimator.states import (
     param_shapes,
     zero_states_at,
 )
+from autotune.estimator.workload import Workload
 from tests.conftest import TINY
 from tests.test_estimator_state_oracles import _counted
 
@@ -169,7 +170,7 @@ def test_the_cpu_backends_ranks_share_one_machine() -> None:
         "offload_optimizer": "cpu",
         "micro_batch_size": 4,
     }
-    assert estimator_states(TINY, config, 2, 8, None).host == _host(16 * PSI, LOAD)
+    assert estimator_states(Workload(TINY, 64, 8, 2), config).host == _host(16 * PSI, LOAD)
 
 
 def test_offloaded_activations_note_and_whole_bytes() -> None:
@@ -262,9 +263,9 @@ def test_qlora_on_a_mixture_of_experts_traced_and_analytical_agree(tmp_path: Pat
         "optimizer": "adamw",
         "gradient_checkpointing": "off",
     }
-    kw: dict[str, Any] = {"seq_len": 64, "global_batch_size": 8}
-    traced = TracedEstimator(cache=tmp_path).estimate(MOE, config, **kw).peak_bytes
-    analytical = AnalyticalEstimator().estimate(MOE, config, **kw).peak_bytes
+    kw: dict[str, Any] = {"seq_len_tokens": 64, "global_batch_sequences": 8}
+    traced = TracedEstimator(cache=tmp_path).estimate(Workload(MOE, **kw), config).peak_bytes
+    analytical = AnalyticalEstimator().estimate(Workload(MOE, **kw), config).peak_bytes
     assert analytical == pytest.approx(traced, rel=0.10)
 
 

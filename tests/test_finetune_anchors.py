@@ -14,6 +14,7 @@ from autotune.estimator.analytical import AnalyticalEstimator
 from autotune.estimator.base import Estimate
 from autotune.estimator.gpus import GPUS
 from autotune.estimator.paging import apply_budget, page, paged_state_bytes
+from autotune.estimator.workload import Workload
 from autotune.models import MODELS, stats_of
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -28,7 +29,7 @@ def step(model: dict, gpu: str = "a100-80gb", seq: int = 2048, gbs: int = 4, **e
     config = {**BASE, **extra}
     st = stats_of(model)
     acts = layer_activation_bytes(st, config, seq, int(config["micro_batch_size"]))
-    return speed.step_time(st, config, seq, gbs, 1, GPUS[gpu], acts)
+    return speed.step_time(Workload(model, seq, gbs, gpu=GPUS[gpu]), config, acts)
 
 
 # --- the paging model ----------------------------------------------------------------------------
@@ -81,14 +82,19 @@ def test_the_estimate_backend_pages_where_the_states_do_not_fit() -> None:
 
     config = {**BASE, "optimizer": "paged_adamw_8bit", "micro_batch_size": 1}
     config["gradient_checkpointing"] = "full"
-    kw = {"seq_len": 512, "global_batch_size": 1, "nproc": 1, "gpu": GPUS["rtx4090"]}
-    full = AnalyticalEstimator().estimate(LLAMA7B, config, **kw)
+    kw = {
+        "seq_len_tokens": 512,
+        "global_batch_sequences": 1,
+        "processes": 1,
+        "gpu": GPUS["rtx4090"],
+    }
+    full = AnalyticalEstimator().estimate(Workload(LLAMA7B, **kw), config)
     paged = paged_state_bytes(LLAMA7B, config)
     budget = full.peak_bytes - paged // 2
-    (s,) = score(LLAMA7B, [config], budget_bytes=budget, **kw)
+    (s,) = score(Workload(LLAMA7B, **kw), [config], budget_bytes=budget)
     assert s.fits and s.estimate.peak_bytes == budget
     assert s.estimate.host_bytes - full.host_bytes == paged // 2 + paged % 2
-    (t,) = score(LLAMA7B, [config], budget_bytes=full.peak_bytes - paged - 1, **kw)
+    (t,) = score(Workload(LLAMA7B, **kw), [config], budget_bytes=full.peak_bytes - paged - 1)
     assert not t.fits and t.why_not == "device memory"
 
 
@@ -113,8 +119,9 @@ def test_compile_fuses_the_element_wise_passes() -> None:
     st = stats_of(LLAMA7B)
     acts = layer_activation_bytes(st, BASE, 2048, 4)
     gpu = GPUS["a100-80gb"]
-    plain = speed.step_time(st, BASE, 2048, 4, 1, gpu, acts)
-    compiled = speed.step_time(st, {**BASE, "compile": True}, 2048, 4, 1, gpu, acts)
+    workload = Workload(LLAMA7B, 2048, 4, gpu=gpu)
+    plain = speed.step_time(workload, BASE, acts)
+    compiled = speed.step_time(workload, {**BASE, "compile": True}, acts)
     assert compiled.memory == pytest.approx(plain.memory * 1.5 / 4)
     assert compiled.compute == plain.compute
 
@@ -137,8 +144,9 @@ def test_clipping_reads_the_gradients_twice_and_writes_them_once() -> None:
     config = {**BASE}
     acts = layer_activation_bytes(st, config, 2048, 4)
     gpu = GPUS["a100-80gb"]
-    plain = speed.step_time(st, config, 2048, 4, 1, gpu, acts)
-    clipped = speed.step_time(st, config, 2048, 4, 1, gpu, acts, clip=True)
+    workload = Workload(LLAMA7B, 2048, 4, gpu=gpu)
+    plain = speed.step_time(workload, config, acts)
+    clipped = speed.step_time(workload, config, acts, clip=True)
     assert clipped.optimizer - plain.optimizer == pytest.approx(
         3 * 2 * st.n_params / (2039e9 * 0.75)
     )
@@ -164,10 +172,9 @@ def test_side_stream_activation_offload_hides_behind_compute() -> None:
     acts = layer_activation_bytes(st, config, 2048, 4)
     gpu = GPUS["a100-80gb"]
     moved = 2 * 4096 * 4 * 2048 * 32  # the layers' 16-bit inputs, 4 x 2048 tokens
-    compute = speed.step_time(st, config, 2048, 4, 1, gpu, acts, moved)
-    side = speed.step_time(
-        st, {**config, "activation_offload_stream": "side"}, 2048, 4, 1, gpu, acts, moved
-    )
+    workload = Workload(LLAMA7B, 2048, 4, gpu=gpu)
+    compute = speed.step_time(workload, config, acts, moved)
+    side = speed.step_time(workload, {**config, "activation_offload_stream": "side"}, acts, moved)
     assert compute.offload == pytest.approx(2 * moved / (32e9 * 0.8))
     assert side.offload == 0.0  # 1.1 GB in 43 ms each way, behind seconds of compute
 
@@ -233,7 +240,9 @@ def test_qlora_steps_its_adapters_not_the_frozen_head() -> None:
         "num_key_value_heads": 2,
     }  # fmt: skip
     config = {**BASE, "quantization": "nf4", "micro_batch_size": 1}
-    est = AnalyticalEstimator().estimate(model, config, seq_len=8, global_batch_size=1)
+    est = AnalyticalEstimator().estimate(
+        Workload(model, seq_len_tokens=8, global_batch_sequences=1), config
+    )
     states = est.breakdown["parameters"] + est.breakdown["optimizer_states"]
     assert est.peak_bytes - states < 4 * 32000 * 128, est.breakdown
 

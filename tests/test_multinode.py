@@ -14,6 +14,7 @@ import pytest
 from click.testing import CliRunner
 
 from autotune.cli import main
+from autotune.estimator.workload import Workload
 from autotune.runner import SubprocessRunner, merge_ranks
 from tests.conftest import tiny_spec
 from trials.spec import TrialResult
@@ -91,14 +92,11 @@ def test_zero_communication_across_nodes_is_priced_on_the_nodes_network() -> Non
         "attention": "sdpa",
         "optimizer": "adamw",
     }
-    kw = {"seq_len": 128, "global_batch_size": 1, "nproc": 32}
+    kw = {"seq_len_tokens": 128, "global_batch_sequences": 1, "processes": 32}
     h100 = gpu_spec("h100")
-    one_domain = AnalyticalEstimator().estimate(entry.config, config, gpu=h100, **kw)  # type: ignore[arg-type]
+    one_domain = AnalyticalEstimator().estimate(Workload(entry.config, gpu=h100, **kw), config)
     four_nodes = AnalyticalEstimator().estimate(
-        entry.config,
-        config,
-        gpu=h100.spanning(4, 8),
-        **kw,  # type: ignore[arg-type]
+        Workload(entry.config, gpu=h100.spanning(4, 8), **kw), config
     )
     volume = 3 * 2 * entry.n_params * 31 / 32
     ib_per_gpu, nvlink = 8 * 400e9 / 8 / 8, 450e9  # bytes/s: 8 NICs of 400 Gb/s for 8 GPUs
@@ -153,17 +151,20 @@ def test_run_plans_a_multi_node_study_without_a_gpu(in_tmp: Path) -> None:
     from autotune.estimator.gpus import gpu_spec
 
     a100 = gpu_spec("a100-40gb")
-    kw = {"seq_len": settings["seq_len"], "global_batch_size": settings["global_batch_size"]}
+    kw = {
+        "seq_len_tokens": settings["seq_len"],
+        "global_batch_sequences": settings["global_batch_size"],
+    }
     differs = 0
     for t in study.trials:
         if not t.values or not t.values[0]:  # over the budget: nothing to compare
             continue
         config, speed = t.user_attrs["config"], t.values[0]
         spanned = AnalyticalEstimator().estimate(
-            settings["model_config"], config, nproc=16, gpu=a100.spanning(2, 8), **kw
+            Workload(settings["model_config"], processes=16, gpu=a100.spanning(2, 8), **kw), config
         )
         one_node = AnalyticalEstimator().estimate(
-            settings["model_config"], config, nproc=16, gpu=a100, **kw
+            Workload(settings["model_config"], processes=16, gpu=a100, **kw), config
         )
         assert speed == pytest.approx(spanned.tokens_per_s)
         differs += speed != pytest.approx(one_node.tokens_per_s)

@@ -13,6 +13,7 @@ import pytest
 
 from autotune.estimator.analytical import AnalyticalEstimator
 from autotune.estimator.traced import TracedEstimator
+from autotune.estimator.workload import Workload
 from tests.test_real_size import REPLICA
 from trials.spec import TrialSpec
 
@@ -48,7 +49,9 @@ REPLICA_MEASURED: list[tuple[dict, int]] = [
 def _estimates(config: dict, seq_len: int = 64, batch: int = 4, traced: bool = True) -> list[int]:
     estimators = [AnalyticalEstimator(), *([TracedEstimator(use_cache=False)] if traced else [])]
     return [
-        estimator.estimate(REPLICA, config, seq_len=seq_len, global_batch_size=batch).peak_bytes
+        estimator.estimate(
+            Workload(REPLICA, seq_len_tokens=seq_len, global_batch_sequences=batch), config
+        ).peak_bytes
         for estimator in estimators
     ]
 
@@ -68,7 +71,7 @@ def test_the_traced_estimate_within_5_percent_of_the_measured_replica(
 ) -> None:
     """A fake-tensor step of the replica each (seconds)."""
     traced = TracedEstimator(use_cache=False).estimate(
-        REPLICA, {**BASE, **extra}, seq_len=64, global_batch_size=4
+        Workload(REPLICA, seq_len_tokens=64, global_batch_sequences=4), {**BASE, **extra}
     )
     assert traced.peak_bytes == pytest.approx(measured, rel=0.05)
 
@@ -96,10 +99,10 @@ def test_fsdp2_offload_at_llama_7b_both_estimators_agree() -> None:
     from autotune.models import MODELS
 
     config = {**BASE, "fsdp": "full_shard", "fsdp_offload": "cpu"}
-    kw = {"seq_len": 2048, "global_batch_size": 4, "gpu": GPUS["a100-80gb"]}
+    kw = {"seq_len_tokens": 2048, "global_batch_sequences": 4, "gpu": GPUS["a100-80gb"]}
     model = MODELS["llama-7b"].config
-    analytical = AnalyticalEstimator().estimate(model, config, **kw).peak_bytes
-    traced = TracedEstimator(use_cache=False).estimate(model, config, **kw).peak_bytes
+    analytical = AnalyticalEstimator().estimate(Workload(model, **kw), config).peak_bytes
+    traced = TracedEstimator(use_cache=False).estimate(Workload(model, **kw), config).peak_bytes
     assert traced == pytest.approx(analytical, rel=0.01)
 
 

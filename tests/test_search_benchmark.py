@@ -19,6 +19,7 @@ import pytest
 
 from autotune.estimator.analytical import AnalyticalEstimator
 from autotune.estimator.gpus import gpu_spec
+from autotune.estimator.workload import Workload
 from autotune.models import MODELS
 from autotune.space import SearchSpace
 from autotune.strategy import config_key
@@ -118,12 +119,14 @@ SMALL = SearchSpace.from_dict(
 def small_predict(c: dict) -> tuple[float, float]:
     entry = MODELS["small-llama"]
     e = AnalyticalEstimator().estimate(
-        entry.config,
+        Workload(
+            entry.config,
+            seq_len_tokens=entry.seq_len,
+            global_batch_sequences=16,
+            processes=2,
+            gpu=gpu_spec("rtx4090"),
+        ),
         c,
-        seq_len=entry.seq_len,
-        global_batch_size=16,
-        nproc=2,
-        gpu=gpu_spec("rtx4090"),
     )
     return float(e.peak_bytes), float(e.tokens_per_s)
 

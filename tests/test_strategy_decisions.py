@@ -27,6 +27,7 @@ import pytest
 
 from autotune.estimator.analytical import AnalyticalEstimator
 from autotune.estimator.gpus import gpu_spec
+from autotune.estimator.workload import Workload
 from autotune.models import resolve_model
 from autotune.strategy import AutotuneSampler, Observation, needs_no_less_memory
 from trials.techniques import TECHNIQUES
@@ -48,7 +49,14 @@ def _peak(config: Config) -> int:
     return (
         AnalyticalEstimator()
         .estimate(
-            MODEL, config, seq_len=2048, global_batch_size=8, nproc=2, gpu=gpu_spec("a100-80gb")
+            Workload(
+                MODEL,
+                seq_len_tokens=2048,
+                global_batch_sequences=8,
+                processes=2,
+                gpu=gpu_spec("a100-80gb"),
+            ),
+            config,
         )
         .peak_bytes
     )

@@ -17,6 +17,7 @@ from optuna.trial import TrialState
 
 from autotune.estimator.analytical import AnalyticalEstimator
 from autotune.estimator.gpus import GpuSpec, Machine, gpu_spec
+from autotune.estimator.workload import Workload
 from autotune.models import MODELS
 from autotune.strategy import AutotuneSampler, Observation, analytical_predictor, observations
 
@@ -454,7 +455,8 @@ CONFIGS = [
 
 def _estimated(config: Config, gpu: GpuSpec, nproc: int) -> tuple[float, float]:
     est = AnalyticalEstimator().estimate(
-        TINY, config, seq_len=64, global_batch_size=4, nproc=nproc, gpu=gpu
+        Workload(TINY, seq_len_tokens=64, global_batch_sequences=4, processes=nproc, gpu=gpu),
+        config,
     )
     return float(est.peak_bytes), float(est.tokens_per_s)
 

@@ -14,6 +14,7 @@ from autotune.estimator.analytical import AnalyticalEstimator
 from autotune.estimator.gpus import GB, GPUS
 from autotune.estimator.speed import PCIE_EFFICIENCY
 from autotune.estimator.traced import TracedEstimator
+from autotune.estimator.workload import Workload
 from tests.conftest import TINY, measured_and_predicted, tiny_loss_and_grads, tiny_spec
 from trials.job import run_trial
 from trials.techniques import TECHNIQUES
@@ -65,9 +66,14 @@ def test_the_speed_model_charges_two_pcie_crossings_per_micro_batch() -> None:
 
     cfg = MODELS["llama-7b"].config
     base = {**FULL, "precision": "bf16", "micro_batch_size": 2}
-    kw = {"seq_len": 2048, "global_batch_size": 8, "nproc": 1, "gpu": GPUS["a100-80gb"]}
-    plain = AnalyticalEstimator().estimate(cfg, base, **kw)
-    offloaded = AnalyticalEstimator().estimate(cfg, {**base, **OFF}, **kw)
+    kw = {
+        "seq_len_tokens": 2048,
+        "global_batch_sequences": 8,
+        "processes": 1,
+        "gpu": GPUS["a100-80gb"],
+    }
+    plain = AnalyticalEstimator().estimate(Workload(cfg, **kw), base)
+    offloaded = AnalyticalEstimator().estimate(Workload(cfg, **kw), {**base, **OFF})
     moved = offloaded.host_breakdown["activations"]
     # by hand: 32 layer inputs (fp32 residual, 4h per token), the ids and the final norm's
     tokens, h = 2 * 2048, 4096
@@ -127,7 +133,8 @@ def test_real_trials_against_both_estimators(
     assert saved > 0
     assert predicted_saving == pytest.approx(saved, rel=rel)
     traced = TracedEstimator(use_cache=False).estimate(
-        spec.model_config, spec.config, seq_len=spec.seq_len, global_batch_size=8
+        Workload(spec.model_config, seq_len_tokens=spec.seq_len, global_batch_sequences=8),
+        spec.config,
     )
     assert traced.peak_bytes == pytest.approx(result.peak_bytes, rel=0.01)
     host = result.memory_breakdown["host_offloaded"]

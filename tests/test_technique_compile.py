@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from autotune.availability import Hardware
+from autotune.estimator.workload import Workload
 from autotune.space import SearchSpace
 from tests.conftest import TINY, measured_and_predicted, tiny_spec
 from trials.build import build_model
@@ -126,7 +127,7 @@ def test_a_compiled_trial_saves_what_the_estimator_says(
 
     spec = tiny_spec({"compile": True, "precision": precision, "master_weights": master})
     traced = TracedEstimator(use_cache=False).estimate(
-        spec.model_config, spec.config, seq_len=64, global_batch_size=8
+        Workload(spec.model_config, seq_len_tokens=64, global_batch_sequences=8), spec.config
     )
     assert traced.peak_bytes == pytest.approx(compiled_.peak_bytes, rel=0.006)
 

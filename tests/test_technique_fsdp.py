@@ -14,6 +14,7 @@ import torch
 import yaml
 
 from autotune.estimator.analytical import AnalyticalEstimator
+from autotune.estimator.workload import Workload
 from autotune.space import SearchSpace
 from tests.conftest import TINY, tiny_spec
 from trials.hardware import Hardware
@@ -39,11 +40,13 @@ def _predicted(spec: TrialSpec) -> int:
     return (
         AnalyticalEstimator()
         .estimate(
-            spec.model_config,
+            Workload(
+                spec.model_config,
+                seq_len_tokens=spec.seq_len,
+                global_batch_sequences=spec.global_batch_size,
+                processes=spec.nproc,
+            ),
             spec.config,
-            seq_len=spec.seq_len,
-            global_batch_size=spec.global_batch_size,
-            nproc=spec.nproc,
         )
         .peak_bytes
     )
@@ -276,14 +279,16 @@ def test_the_speed_model_charges_full_shard_one_and_a_half_all_reduces() -> None
     instant = dataclasses.replace(
         GPUS["a100-80gb"], fp32_tflops=1e12, bf16_tflops=1e12, fp16_tflops=1e12, hbm_gbps=1e12
     )
-    kw = {"seq_len": 2048, "global_batch_size": 1, "nproc": 8, "gpu": instant}
+    kw = {"seq_len_tokens": 2048, "global_batch_sequences": 1, "processes": 8, "gpu": instant}
     cfg = MODELS["llama-7b"].config
     base = {"micro_batch_size": 1}
     est = AnalyticalEstimator()
-    ddp = est.estimate(cfg, base, **kw).time_breakdown["communication"]
-    sharded = est.estimate(cfg, {**base, "fsdp": "full_shard"}, **kw)
+    ddp = est.estimate(Workload(cfg, **kw), base).time_breakdown["communication"]
+    sharded = est.estimate(Workload(cfg, **kw), {**base, "fsdp": "full_shard"})
     assert sharded.time_breakdown["communication"] == pytest.approx(1.5 * ddp, rel=1e-6)
-    offloaded = est.estimate(cfg, {**base, "fsdp": "full_shard", "fsdp_offload": "cpu"}, **kw)
+    offloaded = est.estimate(
+        Workload(cfg, **kw), {**base, "fsdp": "full_shard", "fsdp_offload": "cpu"}
+    )
     assert offloaded.time_breakdown["offload"] > 0 == sharded.time_breakdown["offload"]
     assert offloaded.tokens_per_s < sharded.tokens_per_s
 
@@ -335,6 +340,6 @@ def test_the_traced_estimate_holds_what_a_rank_holds(
     config = {**BASE, **extra, "attention": "sdpa", "optimizer": "adamw"}
     config.setdefault("precision", "fp32")
     traced = TracedEstimator(use_cache=False).estimate(
-        TINY, config, seq_len=64, global_batch_size=4, nproc=2
+        Workload(TINY, seq_len_tokens=64, global_batch_sequences=4, processes=2), config
     )
     assert traced.peak_bytes == pytest.approx(measured, rel=agreement)

@@ -10,6 +10,7 @@ import pytest
 from autotune.estimator.analytical import AnalyticalEstimator
 from autotune.estimator.states import adapter_shapes, model_states, numel
 from autotune.estimator.traced import TracedEstimator
+from autotune.estimator.workload import Workload
 from autotune.export import axolotl_config, companion
 from autotune.models import stats_of
 from tests.conftest import TINY, TINY_SETTINGS, tiny_spec
@@ -109,9 +110,9 @@ def test_a_real_trial_peaks_where_both_estimators_say(config: dict) -> None:
     spec = tiny_spec({**config, "micro_batch_size": 4}, measured_steps=1)
     result = run_trial(spec)
     assert result.status == "ok", result.error
-    kw = {"seq_len": spec.seq_len, "global_batch_size": spec.global_batch_size}
-    analytical = AnalyticalEstimator().estimate(TINY, spec.config, **kw).peak_bytes
-    traced = TracedEstimator(use_cache=False).estimate(TINY, spec.config, **kw).peak_bytes
+    kw = {"seq_len_tokens": spec.seq_len, "global_batch_sequences": spec.global_batch_size}
+    analytical = AnalyticalEstimator().estimate(Workload(TINY, **kw), spec.config).peak_bytes
+    traced = TracedEstimator(use_cache=False).estimate(Workload(TINY, **kw), spec.config).peak_bytes
     assert analytical == pytest.approx(result.peak_bytes, rel=0.05)
     assert traced == pytest.approx(result.peak_bytes, rel=0.05)
     # the adapters' gradients only: 4 B per trainable parameter, counted by peft's own model

@@ -11,6 +11,7 @@ import torch
 from autotune.estimator.analytical import AnalyticalEstimator
 from autotune.estimator.states import param_shapes
 from autotune.estimator.traced import TracedEstimator
+from autotune.estimator.workload import Workload
 from autotune.space import SearchSpace
 from tests.conftest import TINY, tiny_spec
 from trials.build import build_model
@@ -71,13 +72,15 @@ def test_a_real_trial_keeps_less_state_and_both_estimators_count_it(name: str) -
     tensors = len(param_shapes(TINY))
     states = OPTIMIZERS[name].state_bytes(param_shapes(TINY))
     assert result.memory_breakdown["optimizer_states"] == states + 4 * tensors
-    kw = {"seq_len": spec.seq_len, "global_batch_size": spec.global_batch_size}
+    kw = {"seq_len_tokens": spec.seq_len, "global_batch_sequences": spec.global_batch_size}
     analytical = AnalyticalEstimator()
-    predicted = analytical.estimate(TINY, spec.config, **kw).peak_bytes
-    predicted_saving = analytical.estimate(TINY, plain_spec.config, **kw).peak_bytes - predicted
+    predicted = analytical.estimate(Workload(TINY, **kw), spec.config).peak_bytes
+    predicted_saving = (
+        analytical.estimate(Workload(TINY, **kw), plain_spec.config).peak_bytes - predicted
+    )
     assert predicted_saving == pytest.approx(plain.peak_bytes - result.peak_bytes, rel=0.10)
     assert predicted == pytest.approx(result.peak_bytes, rel=0.01)
-    traced = TracedEstimator(use_cache=False).estimate(TINY, spec.config, **kw)
+    traced = TracedEstimator(use_cache=False).estimate(Workload(TINY, **kw), spec.config)
     assert traced.peak_bytes == pytest.approx(result.peak_bytes, rel=0.01)
     assert result.losses == pytest.approx(plain.losses, rel=0.01)
 
@@ -133,9 +136,9 @@ def test_a_gpu_prediction_counts_the_compiled_step() -> None:
     tensor (tiny-llama's embedding, 2,097,152 values), by hand."""
     from autotune.estimator.gpus import GPUS
 
-    kw = {"seq_len": 64, "global_batch_size": 8}
+    kw = {"seq_len_tokens": 64, "global_batch_sequences": 8}
     config = {**STEP_BOUND, "optimizer": "adamw_torchao_8bit", "micro_batch_size": 8}
     analytical = AnalyticalEstimator()
-    cpu = analytical.estimate(TINY, config, **kw)
-    gpu = analytical.estimate(TINY, config, gpu=GPUS["a100-80gb"], **kw)
+    cpu = analytical.estimate(Workload(TINY, **kw), config)
+    gpu = analytical.estimate(Workload(TINY, gpu=GPUS["a100-80gb"], **kw), config)
     assert cpu.breakdown["temporaries"] - gpu.breakdown["temporaries"] == 45 * 2_097_152

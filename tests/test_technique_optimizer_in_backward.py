@@ -13,6 +13,7 @@ import torch
 
 from autotune.errors import UserError
 from autotune.estimator.traced import TracedEstimator
+from autotune.estimator.workload import Workload
 from autotune.space import SearchSpace
 from tests.conftest import TINY, tiny_spec
 from trials.build import build_model
@@ -68,16 +69,16 @@ def test_a_real_trial_holds_one_gradient_and_both_estimators_count_it() -> None:
         assert result.memory_breakdown["gradients"] < plain.memory_breakdown["gradients"]
         from autotune.estimator.analytical import AnalyticalEstimator
 
-        kw = {"seq_len": spec.seq_len, "global_batch_size": spec.global_batch_size}
+        kw = {"seq_len_tokens": spec.seq_len, "global_batch_sequences": spec.global_batch_size}
         est = AnalyticalEstimator()
         predicted_saving = (
-            est.estimate(TINY, plain_spec.config, **kw).peak_bytes
-            - est.estimate(TINY, spec.config, **kw).peak_bytes
+            est.estimate(Workload(TINY, **kw), plain_spec.config).peak_bytes
+            - est.estimate(Workload(TINY, **kw), spec.config).peak_bytes
         )
         assert predicted_saving == pytest.approx(saved, rel=0.10), precision
-        predicted = est.estimate(TINY, spec.config, **kw).peak_bytes
+        predicted = est.estimate(Workload(TINY, **kw), spec.config).peak_bytes
         assert predicted == pytest.approx(result.peak_bytes, rel=0.03), precision
-        traced = TracedEstimator(use_cache=False).estimate(TINY, spec.config, **kw)
+        traced = TracedEstimator(use_cache=False).estimate(Workload(TINY, **kw), spec.config)
         assert traced.peak_bytes == pytest.approx(result.peak_bytes, rel=0.01), precision
 
 

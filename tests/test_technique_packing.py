@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from autotune.availability import Hardware
+from autotune.estimator.workload import Workload
 from autotune.space import SearchSpace
 from tests.conftest import TINY, measured_and_predicted, tiny_spec
 from trials.build import build_model
@@ -255,9 +256,9 @@ def test_a_gpu_prediction_lays_out_every_step() -> None:
     spec.documents = [8, 128]
     gpu = gpu_spec("h100")
     predicted = EstimateRunner(AnalyticalEstimator(), gpu).run(spec, "x").peak_bytes
-    kw: dict[str, Any] = {"seq_len": 128, "global_batch_size": 8, "gpu": gpu}
+    kw: dict[str, Any] = {"seq_len_tokens": 128, "global_batch_sequences": 8, "gpu": gpu}
     every = Documents(8, 128, seed=3, steps=8)
     warm = Documents(8, 128, seed=3, steps=2)
     estimate = AnalyticalEstimator().estimate
-    assert predicted == estimate(TINY, spec.config, documents=every, **kw).peak_bytes
-    assert predicted > estimate(TINY, spec.config, documents=warm, **kw).peak_bytes
+    assert predicted == estimate(Workload(TINY, documents=every, **kw), spec.config).peak_bytes
+    assert predicted > estimate(Workload(TINY, documents=warm, **kw), spec.config).peak_bytes

@@ -14,6 +14,7 @@ import torch
 from autotune.availability import Hardware
 from autotune.estimator.analytical import AnalyticalEstimator
 from autotune.estimator.traced import TracedEstimator
+from autotune.estimator.workload import Workload
 from autotune.space import SearchSpace
 from tests.conftest import TINY, tiny_spec
 from trials.job import run_trial
@@ -124,9 +125,9 @@ def test_a_real_trial_peaks_where_both_estimators_say(config: dict, gbs: int) ->
     spec = tiny_spec(config, global_batch_size=gbs, measured_steps=1)
     result = run_trial(spec)
     assert result.status == "ok", result.error
-    kw = {"seq_len": spec.seq_len, "global_batch_size": gbs}
-    analytical = AnalyticalEstimator().estimate(TINY, spec.config, **kw).peak_bytes
-    traced = TracedEstimator(use_cache=False).estimate(TINY, spec.config, **kw).peak_bytes
+    kw = {"seq_len_tokens": spec.seq_len, "global_batch_sequences": gbs}
+    analytical = AnalyticalEstimator().estimate(Workload(TINY, **kw), spec.config).peak_bytes
+    traced = TracedEstimator(use_cache=False).estimate(Workload(TINY, **kw), spec.config).peak_bytes
     assert analytical == pytest.approx(result.peak_bytes, rel=0.05)
     assert traced == pytest.approx(result.peak_bytes, rel=0.05)
     # the model in bf16: 2 B per parameter (the tracker's attribution)

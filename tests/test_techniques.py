@@ -24,6 +24,7 @@ from autotune.errors import UserError
 from autotune.estimator.analytical import AnalyticalEstimator
 from autotune.estimator.gpus import GPUS
 from autotune.estimator.traced import TracedEstimator
+from autotune.estimator.workload import Workload
 from autotune.export import EXPORTERS, export
 from autotune.ladder import baseline_config
 from autotune.models import MODELS, stats_of
@@ -291,9 +292,13 @@ def test_both_estimators_add_its_terms(toy: ToyPad, tmp_path: Path) -> None:
     padded = {**plain, "toy_pad": "large"}
     copy_s = 4_000_000 / (64e9 * 0.8)
     for estimator in (AnalyticalEstimator(), TracedEstimator(cache=tmp_path)):
-        kw: dict[str, Any] = {"seq_len": 64, "global_batch_size": 4, "gpu": GPUS["h100"]}
-        a = estimator.estimate(model, plain, **kw)
-        b = estimator.estimate(model, padded, **kw)
+        kw: dict[str, Any] = {
+            "seq_len_tokens": 64,
+            "global_batch_sequences": 4,
+            "gpu": GPUS["h100"],
+        }
+        a = estimator.estimate(Workload(model, **kw), plain)
+        b = estimator.estimate(Workload(model, **kw), padded)
         assert b.peak_bytes - a.peak_bytes == 4_000_000, estimator.name
         offload = b.time_breakdown["offload"] - a.time_breakdown["offload"]
         assert offload == pytest.approx(copy_s, rel=1e-9), estimator.name
@@ -338,11 +343,11 @@ def test_its_operator_and_trace_terms_reach_the_estimators(tmp_path: Path) -> No
     plain = {"gradient_checkpointing": "off", "micro_batch_size": 2, "toy_step": "plain"}
     heavy = {**plain, "toy_step": "heavy"}
     extra_s = 4 * stats_of(model).n_params / (3350e9 * 0.75)
-    kw: dict[str, Any] = {"seq_len": 64, "global_batch_size": 4, "gpu": GPUS["h100"]}
+    kw: dict[str, Any] = {"seq_len_tokens": 64, "global_batch_sequences": 4, "gpu": GPUS["h100"]}
     with TECHNIQUES.extended(ToyStep()):
         for estimator, cut in ((AnalyticalEstimator(), 0), (TracedEstimator(cache=tmp_path), 1000)):
-            a = estimator.estimate(model, plain, **kw)
-            b = estimator.estimate(model, heavy, **kw)
+            a = estimator.estimate(Workload(model, **kw), plain)
+            b = estimator.estimate(Workload(model, **kw), heavy)
             grown = b.time_breakdown["optimizer"] - a.time_breakdown["optimizer"]
             assert grown == pytest.approx(extra_s, rel=1e-9), estimator.name
             assert a.peak_bytes - b.peak_bytes == cut, estimator.name

@@ -19,6 +19,7 @@ import pytest
 from autotune.data_source import Prepared, histogram, prepare, trial_order
 from autotune.estimator.analytical import AnalyticalEstimator
 from autotune.estimator.gpus import gpu_spec
+from autotune.estimator.workload import Workload
 from autotune.study import settings_of
 from tests.conftest import NO_PROBES, TINY, cli, tiny_spec
 from trials.data import micro_shapes
@@ -150,15 +151,19 @@ def test_the_estimator_reads_the_longest_and_the_timed_batches(tmp_path: Path, t
     big, mean = micro_shapes(spec.config, SEQ, 4, docs)
     assert (big.rows, big.length, big.tokens) == (4, SEQ, 4 * SEQ)
     assert mean.tokens == round(sum(SHORT) / 2)
-    kw: dict[str, Any] = {"seq_len": SEQ, "global_batch_size": 4, "gpu": gpu_spec("h100")}
+    kw: dict[str, Any] = {
+        "seq_len_tokens": SEQ,
+        "global_batch_sequences": 4,
+        "gpu": gpu_spec("h100"),
+    }
     est = AnalyticalEstimator().estimate
-    fixed = est(TINY, spec.config, documents=None, **kw)
-    on_data = est(TINY, spec.config, documents=docs, **kw)
+    fixed = est(Workload(TINY, documents=None, **kw), spec.config)
+    on_data = est(Workload(TINY, documents=docs, **kw), spec.config)
     assert on_data.peak_bytes == fixed.peak_bytes
     # without the longest step (the short documents in every step): the same speed, as it is
     # the timed steps', and a lower peak
     shorter = replace(docs, order=tuple(docs.order[4:8]) + tuple(docs.order[4:]))
-    without = est(TINY, spec.config, documents=shorter, **kw)
+    without = est(Workload(TINY, documents=shorter, **kw), spec.config)
     assert without.tokens_per_s == on_data.tokens_per_s
     assert without.peak_bytes < on_data.peak_bytes
 

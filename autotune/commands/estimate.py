@@ -31,6 +31,7 @@ from autotune.estimator.gpus import GPUS
 from autotune.estimator.paging import apply_budget
 from autotune.estimator.speed import MODEL_ERROR
 from autotune.estimator.traced import TracedEstimator
+from autotune.estimator.workload import Workload
 from autotune.models import check_seq_len, resolve_model
 from autotune.terminal import make_console, printable
 from autotune.units import format_size, parse_size
@@ -111,27 +112,29 @@ def estimate_cmd(
     check_seq_len(seq_len, entry.config, entry.name)
     if nproc % nodes:
         raise UserError(f"--nproc {nproc} GPUs do not split evenly over --nodes {nodes}")
-    spec = target_gpu(gpu, budget_bytes)
-    host_bytes = host_budget(host_memory, "estimate", spec)
-    if nodes > 1:
-        spec = spec.spanning(nodes, nproc // nodes)
-    kw: dict[str, Any] = {
-        "seq_len": seq_len or entry.seq_len,
-        "global_batch_size": global_batch_size or entry.global_batch_size,
-        "nproc": nproc,
-        "gpu": spec,
-    }
+    gpu_row = target_gpu(gpu, budget_bytes)
+    host_bytes = host_budget(host_memory, "estimate", gpu_row)  # the target's server memory
+    workload = Workload(
+        model_config=entry.config,
+        seq_len_tokens=seq_len or entry.seq_len,
+        global_batch_sequences=global_batch_size or entry.global_batch_size,
+        processes=nproc,
+        nodes=nodes,
+        gpu=gpu_row,
+    )
+    spec = workload.device
+    assert spec is not None
     analytical, traced = AnalyticalEstimator(), TracedEstimator()
     if config_path:
-        config = _load_config(config_path, kw["global_batch_size"])
+        config = _load_config(config_path, workload.global_batch_sequences)
         space = estimate_space()
         known = {d.name for d in space.dimensions}
         unknown = sorted(set(config) - known)
         if unknown:
             raise UserError(f"config: unknown dimension '{unknown[0]}' (known: {', '.join(known)})")
         rows = [
-            ("analytical", analytical.estimate(entry.config, config, **kw)),
-            ("traced", traced.estimate(entry.config, config, **kw)),
+            ("analytical", analytical.estimate(workload, config)),
+            ("traced", traced.estimate(workload, config)),
         ]
         for _, est in rows:  # a paged optimizer's states beyond the budget on the host
             apply_budget(est, entry.config, config, budget_bytes, spec)
@@ -140,10 +143,10 @@ def estimate_cmd(
             console.print(f"[dim]{note}[/dim]")
         return
     t0 = time.perf_counter()
-    configs = estimate_space().resolve(kw["global_batch_size"], hardware_for(spec, nproc)).grid()
-    scored = score(
-        entry.config, configs, budget_bytes=budget_bytes, host_budget_bytes=host_bytes, **kw
+    configs = (
+        estimate_space().resolve(workload.global_batch_sequences, hardware_for(spec, nproc)).grid()
     )
+    scored = score(workload, configs, budget_bytes=budget_bytes, host_budget_bytes=host_bytes)
     fitting = sum(s.fits for s in scored)
     layout = f"{nodes} nodes x{nproc // nodes}" if nodes > 1 else f"x{nproc}"
     host_label = format_size(host_bytes) if host_bytes is not None else "unlimited"
@@ -164,9 +167,7 @@ def estimate_cmd(
     rows = []
     if head is not None:
         if trace:
-            rows.append(
-                (f"{head.cls} (traced)", traced.estimate(entry.config, head.best.config, **kw))
-            )
+            rows.append((f"{head.cls} (traced)", traced.estimate(workload, head.best.config)))
         rows.append((f"{head.cls} (analytical)", head.best.estimate))
         console.print(
             f"[bold green]predicted best full training ({head.cls})[/bold green]: "

@@ -42,7 +42,6 @@ from autotune.estimator.activations import (
 )
 from autotune.estimator.base import PARTS, Estimate, Estimator
 from autotune.estimator.formulas import FORMULAS
-from autotune.estimator.gpus import GpuSpec
 from autotune.estimator.speed import roofline
 from autotune.estimator.states import (
     adapter_shapes,
@@ -53,8 +52,9 @@ from autotune.estimator.states import (
     pure_outside_deepspeed,
     qlora_shapes,
 )
+from autotune.estimator.workload import Workload
 from autotune.models import stats_of
-from trials.data import Documents, micro_shapes
+from trials.data import micro_shapes
 from trials.techniques import TECHNIQUES
 from trials.techniques.adapter import adapts
 from trials.techniques.micro_batch import micro_and_accumulation
@@ -67,22 +67,16 @@ from trials.techniques.terms import MemoryStep
 class AnalyticalEstimator(Estimator):
     name = "analytical"
 
-    def estimate(
-        self,
-        model_config: dict[str, Any],
-        config: dict[str, Any],
-        *,
-        seq_len: int,
-        global_batch_size: int,
-        nproc: int = 1,
-        gpu: GpuSpec | None = None,
-        documents: Documents | None = None,
-    ) -> Estimate:
+    def estimate(self, workload: Workload, config: dict[str, Any]) -> Estimate:
+        model_config, nproc, gpu = workload.model_config, workload.processes, workload.device
+        documents = workload.documents
         st = stats_of(model_config)
         h, layers, vocab = st.hidden, st.layers, st.vocab
-        _, accum = micro_and_accumulation(config, global_batch_size, strict=False)
+        _, accum = micro_and_accumulation(config, workload.global_batch_sequences, strict=False)
         # the largest micro-batch's rows (fixed-length data: micro-batch x sequence length)
-        big = micro_shapes(config, seq_len, global_batch_size, documents, nproc)[0]
+        big = micro_shapes(
+            config, workload.seq_len_tokens, workload.global_batch_sequences, documents, nproc
+        )[0]
         micro, length = big.rows, big.length
         tokens = micro * length
         half = computes_in_16_bits(config)
@@ -92,7 +86,7 @@ class AnalyticalEstimator(Estimator):
         pure = pure_outside_deepspeed(config)
         adapted = adapts(config)  # LoRA/DoRA: the base frozen (16-bit under bf16/fp16)
         model16 = deepspeed or TECHNIQUES.model_in_16_bits(config)
-        states = estimator_states(model_config, config, nproc, global_batch_size, gpu)
+        states = estimator_states(workload, config)
         params = states.parts["parameters"]
         grads = states.parts["gradients"]
         optim = states.parts["optimizer_states"]
@@ -128,13 +122,11 @@ class AnalyticalEstimator(Estimator):
             stats=st,
             formulas=FORMULAS,
             states=states,
-            cuda=cuda,
-            nproc=nproc,
+            workload=workload,
             accum=accum,
             micro=micro,
             length=length,
             tokens=tokens,
-            documents=documents is not None,
             half=half,
             model16=model16,
             pure=pure,
@@ -194,15 +186,5 @@ class AnalyticalEstimator(Estimator):
         host = host_with_activations(states.host, host_acts, nproc, gpu, notes)
         est = Estimate(int(peak), breakdown, method=self.name, notes=notes, host_breakdown=host)
         if gpu is not None:
-            roofline(
-                est,
-                model_config,
-                config,
-                seq_len,
-                global_batch_size,
-                nproc,
-                gpu,
-                host_acts,
-                documents=documents,
-            )
+            roofline(est, workload, config, host_acts)
         return est

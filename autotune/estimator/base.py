@@ -1,5 +1,6 @@
-"""One interface for memory/speed estimators: a model config and a trial config in, an
-``Estimate`` (peak bytes per GPU, its breakdown, predicted tokens/s) out."""
+"""One interface for memory/speed estimators: a workload (``workload.Workload``: the model, its
+data, the processes and the GPU) and a trial config in, an ``Estimate`` (peak bytes per GPU, its
+breakdown, predicted tokens/s) out."""
 
 from __future__ import annotations
 
@@ -7,8 +8,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
-from autotune.estimator.gpus import GpuSpec
-from trials.data import Documents
+from autotune.estimator.workload import Workload
 
 #: the parts of a peak, in display order
 PARTS = (
@@ -46,16 +46,7 @@ class Estimator(ABC):
     name: str = "base"
 
     @abstractmethod
-    def estimate(
-        self,
-        model_config: dict[str, Any],
-        config: dict[str, Any],
-        *,
-        seq_len: int,
-        global_batch_size: int,
-        nproc: int = 1,
-        gpu: GpuSpec | None = None,
-        documents: Documents | None = None,
-    ) -> Estimate:
-        """``documents``: variable-length data (``trials.data``): the activations are those of
-        the trial's largest micro-batch, padded or packed as the config says."""
+    def estimate(self, workload: Workload, config: dict[str, Any]) -> Estimate:
+        """``config`` trained on ``workload``; with the workload's ``documents`` (variable-length
+        data, ``trials.data``) the activations are those of the trial's largest micro-batch,
+        padded or packed as the config says."""

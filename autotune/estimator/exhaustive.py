@@ -18,10 +18,9 @@ from typing import Any
 
 from autotune.estimator.analytical import AnalyticalEstimator
 from autotune.estimator.base import Estimate
-from autotune.estimator.gpus import GpuSpec
 from autotune.estimator.paging import apply_budget
 from autotune.estimator.speed import MODEL_ERROR
-from trials.data import Documents
+from autotune.estimator.workload import Workload
 from trials.techniques import FIDELITY_CLASSES, fidelity_class
 
 
@@ -41,32 +40,20 @@ class ClassBest:
 
 
 def score(
-    model_config: dict[str, Any],
+    workload: Workload,
     configs: Iterable[dict[str, Any]],
     *,
-    seq_len: int,
-    global_batch_size: int,
-    nproc: int,
-    gpu: GpuSpec,
     budget_bytes: int,
     host_budget_bytes: int | None = None,
-    documents: Documents | None = None,
 ) -> list[Scored]:
-    """Every configuration with its prediction and whether it fits both memories (a paged
-    optimizer's states beyond the budget in host memory, ``autotune.estimator.paging``)."""
+    """Every configuration with its prediction on ``workload`` (its GPU named) and whether it
+    fits both memories (a paged optimizer's states beyond the budget in host memory,
+    ``autotune.estimator.paging``)."""
     est = AnalyticalEstimator()
     out: list[Scored] = []
     for config in configs:
-        e = est.estimate(
-            model_config,
-            config,
-            seq_len=seq_len,
-            global_batch_size=global_batch_size,
-            nproc=nproc,
-            gpu=gpu,
-            documents=documents,
-        )
-        apply_budget(e, model_config, config, budget_bytes, gpu)
+        e = est.estimate(workload, config)
+        apply_budget(e, workload.model_config, config, budget_bytes, workload.device)
         why = ""
         if e.peak_bytes > budget_bytes:
             why = "device memory"

@@ -13,6 +13,7 @@ from typing import Any
 
 from autotune.estimator.base import Estimate, Estimator
 from autotune.estimator.gpus import GpuSpec
+from autotune.estimator.workload import Workload
 from autotune.runner import TrialAttrs, TrialRunner
 from autotune.units import format_size
 from trials.spec import TrialResult, TrialSpec, trial_documents
@@ -20,16 +21,21 @@ from trials.spec import TrialResult, TrialSpec, trial_documents
 PRUNED = "pruned by estimate"
 
 
-def _estimate(estimator: Estimator, spec: TrialSpec, gpu: GpuSpec | None) -> Estimate:
-    return estimator.estimate(
-        spec.model_config,
-        spec.config,
-        seq_len=spec.seq_len,
-        global_batch_size=spec.global_batch_size,
-        nproc=spec.nproc,
-        gpu=gpu.spanning(spec.nodes, spec.nproc // spec.nodes) if gpu and spec.nodes > 1 else gpu,
+def workload_of(spec: TrialSpec, gpu: GpuSpec | None) -> Workload:
+    """What a trial trains, on ``gpu`` (None: on the CPU trial backend)."""
+    return Workload(
+        model_config=spec.model_config,
+        seq_len_tokens=spec.seq_len,
+        global_batch_sequences=spec.global_batch_size,
+        processes=spec.nproc,
+        nodes=spec.nodes,
+        gpu=gpu,
         documents=trial_documents(spec, "cuda" if gpu else None),
     )
+
+
+def _estimate(estimator: Estimator, spec: TrialSpec, gpu: GpuSpec | None) -> Estimate:
+    return estimator.estimate(workload_of(spec, gpu), spec.config)
 
 
 def _over(est: Estimate, spec: TrialSpec, margin: float = 0.0) -> str:

@@ -81,8 +81,9 @@ from typing import Any
 from autotune.estimator.activations import layer_activation_bytes
 from autotune.estimator.base import Estimate
 from autotune.estimator.gpus import GpuSpec
-from autotune.models import ModelStats, stats_of
-from trials.data import Documents, Shape, micro_shapes
+from autotune.estimator.workload import Workload
+from autotune.models import stats_of
+from trials.data import Shape, micro_shapes
 from trials.techniques import TECHNIQUES
 from trials.techniques.micro_batch import micro_and_accumulation
 from trials.techniques.precision import computes_in_16_bits, precision_of
@@ -159,21 +160,23 @@ def _roof(flops: float, nbytes: float, flops_per_s: float, bytes_per_s: float) -
 
 
 def step_time(
-    st: ModelStats,
+    workload: Workload,
     config: dict[str, Any],
-    seq_len: int,
-    global_batch_size: int,
-    nproc: int,
-    gpu: GpuSpec,
     layer_act_bytes: int,
     offloaded_activations: int = 0,
-    shape: Shape | None = None,
     clip: bool = False,
 ) -> StepTime:
-    """The roofline of one step (``global_batch_size`` sequences per GPU); ``shape``: a
-    typical micro-batch of variable-length data (``trials.data``), rows x length positions;
-    ``clip``: gradients clipped by norm before the step. Paged optimizer states' migration is
-    added where the budget is known (``autotune.estimator.paging.apply_budget``)."""
+    """The roofline of one step on the workload's GPU (its global batch over its processes);
+    variable-length data (the workload's ``documents``) is timed at a typical micro-batch
+    (``trials.data.micro_shapes``), rows x length positions; ``clip``: gradients clipped by
+    norm before the step. Paged optimizer states' migration is added where the budget is known
+    (``autotune.estimator.paging.apply_budget``)."""
+    gpu = workload.device
+    if gpu is None:
+        raise ValueError("the roofline prices a GPU: the workload names none")
+    st = stats_of(workload.model_config)
+    seq_len, global_batch_size = workload.seq_len_tokens, workload.global_batch_sequences
+    shape = _typical_shape(workload, config)
     config = dict(TECHNIQUES.priced_as(config))
     precision = precision_of(config)
     half = computes_in_16_bits(config)
@@ -184,7 +187,6 @@ def step_time(
     tokens = micro * seq_len  # per micro-batch (positions, padding included)
     if shape is not None:
         tokens, seq_len = shape.positions, shape.length
-    n = max(1, nproc)
 
     # --- per micro-batch: forward, backward ----------------------------------------------------
     per_layer_mm = st.layer_matrix_params + st.expert_params * max(1, st.top_k) // max(
@@ -197,8 +199,7 @@ def step_time(
     step = SpeedStep(
         config=config,
         stats=st,
-        gpu=gpu,
-        nproc=n,
+        workload=workload,
         accum=accum,
         tokens=tokens,
         seq_len=seq_len,
@@ -211,7 +212,6 @@ def step_time(
         layer_act_bytes=layer_act_bytes,
         elementwise_passes=ELEMENTWISE_PASSES,
         offloaded_activations=offloaded_activations,
-        documents=shape is not None,
         mm_params=mm_params,
         attn_flops=attn_flops,
         attn_fwd=attn_fwd,
@@ -262,45 +262,45 @@ def step_time(
     )
 
 
+def _typical_shape(workload: Workload, config: dict[str, Any]) -> Shape | None:
+    """A typical micro-batch of variable-length data (None for fixed-length rows)."""
+    if workload.documents is None:
+        return None
+    return micro_shapes(
+        config,
+        workload.seq_len_tokens,
+        workload.global_batch_sequences,
+        workload.documents,
+        workload.processes,
+    )[1]
+
+
 def roofline(
     est: Estimate,
-    model_cfg: dict[str, Any],
+    workload: Workload,
     config: dict[str, Any],
-    seq_len: int,
-    global_batch_size: int,
-    nproc: int,
-    gpu: GpuSpec,
     offloaded_activations: int = 0,
     layer_act_bytes: int | None = None,
-    documents: Documents | None = None,
 ) -> Estimate:
-    """Fill ``est.step_time_s`` and ``est.tokens_per_s`` (all GPUs) for ``gpu``;
+    """Fill ``est.step_time_s`` and ``est.tokens_per_s`` (all GPUs) for the workload's GPU;
     ``offloaded_activations``: bytes per micro-batch one rank moves to the host and back;
-    ``documents``: variable-length data, timed at a typical micro-batch (only its real tokens
-    count)."""
-    st = stats_of(model_cfg)
+    variable-length data (the workload's ``documents``) is timed at a typical micro-batch (only
+    its real tokens count)."""
+    st = stats_of(workload.model_config)
+    global_batch_size, seq_len = workload.global_batch_sequences, workload.seq_len_tokens
     micro, _ = micro_and_accumulation(config, global_batch_size, strict=False)
-    shape = None
-    if documents is not None:
-        shape = micro_shapes(config, seq_len, global_batch_size, documents, nproc)[1]
+    shape = _typical_shape(workload, config)
+    if shape is not None:
         micro, seq_len = shape.rows, shape.length
     if layer_act_bytes is None:
         layer_act_bytes = layer_activation_bytes(st, config, seq_len, micro)
-    t = step_time(
-        st,
-        config,
-        seq_len,
-        global_batch_size,
-        nproc,
-        gpu,
-        layer_act_bytes,
-        offloaded_activations,
-        shape,
-    )
+    t = step_time(workload, config, layer_act_bytes, offloaded_activations)
     est.step_time_s = t.total
     _, accum = micro_and_accumulation(config, global_batch_size, strict=False)
     real = shape.tokens * accum if shape is not None else global_batch_size * seq_len
-    est.tokens_per_s = real * max(1, nproc) / t.total
+    est.tokens_per_s = real * max(1, workload.processes) / t.total
+    gpu = workload.device
+    assert gpu is not None  # step_time priced it
     est.gpu = gpu.name
     est.time_breakdown = {
         "compute": t.compute,

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autotune.estimator.gpus import GpuSpec
+from autotune.estimator.workload import Workload
 from autotune.models import ModelStats, stats_of
 from trials.techniques import OPTIMIZERS, setting
 from trials.techniques.adapter import adapted_16bit, adapter_of, adapts, rank_of, targets_of
@@ -787,21 +788,16 @@ def fsdp_held(
     return held
 
 
-def estimator_states(
-    model_cfg: dict[str, Any],
-    config: dict[str, Any],
-    nproc: int,
-    global_batch_size: int,
-    gpu: GpuSpec | None,
-) -> ModelStates:
+def estimator_states(workload: Workload, config: dict[str, Any]) -> ModelStates:
     """``model_states`` as both estimators need them: the accumulation steps of this batch, the
     nodes of ``gpu``, and no ``gpu`` meaning the CPU trial backend (torch's AdamW then takes its
     single-tensor path: ``adam_step_temporaries``)."""
-    _, accum = micro_and_accumulation(config, global_batch_size, strict=False)
+    gpu = workload.device
+    _, accum = micro_and_accumulation(config, workload.global_batch_sequences, strict=False)
     return model_states(
-        model_cfg,
+        workload.model_config,
         config,
-        nproc,
+        workload.processes,
         nodes=gpu.nodes if gpu else 1,
         accumulation=accum,
         cuda=gpu is not None,

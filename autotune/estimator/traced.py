@@ -32,11 +32,11 @@ from torch.utils._pytree import tree_flatten
 
 from autotune.estimator.base import PARTS, Estimate, Estimator
 from autotune.estimator.formulas import FORMULAS
-from autotune.estimator.gpus import GpuSpec
 from autotune.estimator.speed import roofline
 from autotune.estimator.states import deepspeed_states, estimator_states, host_with_activations
+from autotune.estimator.workload import Workload
 from autotune.models import stats_of
-from trials.data import Documents, Shape, micro_shapes
+from trials.data import Shape, micro_shapes
 from trials.memory import host_scope
 from trials.techniques import OPTIMIZERS, PRECISIONS, TECHNIQUES
 from trials.techniques.adapter import adapted_16bit
@@ -335,23 +335,22 @@ def balance_experts(model: torch.nn.Module, model_config: dict[str, Any]) -> int
 
 
 def trace_step(
-    model_config: dict[str, Any],
+    workload: Workload,
     config: dict[str, Any],
-    seq_len: int,
-    global_batch_size: int,
     steps: int = 2,
-    cuda: bool = True,
     shape: Shape | None = None,
     packed: bool = False,
 ) -> dict[str, int]:
-    """Peak bytes and their breakdown of ``steps`` training steps of the trial job's loop;
-    ``cuda`` False: as the CPU trial backend runs it (sdpa with attention dropout); ``shape``:
-    variable-length data's largest micro-batch (``packed``: rows of several documents, each
-    with its own positions)."""
+    """Peak bytes and their breakdown of ``steps`` training steps of the trial job's loop, one
+    process of the workload; without its ``gpu``: as the CPU trial backend runs it (sdpa with
+    attention dropout); ``shape``: variable-length data's largest micro-batch (``packed``: rows
+    of several documents, each with its own positions)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from trials.job import build_model
 
+    model_config, seq_len = workload.model_config, workload.seq_len_tokens
+    global_batch_size, cuda = workload.global_batch_sequences, workload.gpu is not None
     micro, accum = micro_and_accumulation(config, global_batch_size, strict=False)
     # Micro-batches after the second repeat the second one's memory exactly (gradients already
     # allocated, same activations), so two stand for any accumulation count.
@@ -465,9 +464,10 @@ def trace_step(
     return parts
 
 
-def _cache_key(model_config: dict[str, Any], config: dict[str, Any], seq: int, gbs: int) -> str:
+def _cache_key(workload: Workload, config: dict[str, Any]) -> str:
+    seq, gbs = workload.seq_len_tokens, workload.global_batch_sequences
     blob = json.dumps(
-        [CACHE_VERSION, torch.__version__, model_config, config, seq, gbs], sort_keys=True
+        [CACHE_VERSION, torch.__version__, workload.model_config, config, seq, gbs], sort_keys=True
     )
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
@@ -481,15 +481,8 @@ class TracedEstimator(Estimator):
         self.cache = (cache or cache_dir()) / "traced"
         self.use_cache = use_cache
 
-    def traced_parts(
-        self,
-        model_config: dict[str, Any],
-        config: dict[str, Any],
-        seq_len: int,
-        gbs: int,
-        cuda: bool = True,
-        documents: Documents | None = None,
-    ) -> dict[str, int]:
+    def traced_parts(self, workload: Workload, config: dict[str, Any]) -> dict[str, int]:
+        """The fake step's figures (``trace_step``) of one process of ``workload``, cached."""
         # Only what the single fake process runs matters for the trace: ZeRO and offload are
         # applied afterwards, and a quantized model traces as its 16-bit LoRA-free self.
         untraced = TECHNIQUES.untraced()
@@ -501,12 +494,20 @@ class TracedEstimator(Estimator):
         if deepspeed_states(config):
             traced_cfg["deepspeed"] = True
         # the CPU's kernels trace what a GPU's fuse (attention dropout): its own cache entry
-        keyed = traced_cfg if cuda else {**traced_cfg, "cpu_kernels": True}
-        shape = micro_shapes(config, seq_len, gbs, documents)[0] if documents else None
+        keyed = traced_cfg if workload.gpu is not None else {**traced_cfg, "cpu_kernels": True}
+        documents = workload.documents
+        # one process's rows: the fake step is one rank's (the workload's ``processes`` apart)
+        shape = (
+            micro_shapes(
+                config, workload.seq_len_tokens, workload.global_batch_sequences, documents
+            )[0]
+            if documents
+            else None
+        )
         packed = shape is not None and packs(config)
         if shape is not None:
             keyed = {**keyed, "shape": [shape.rows, shape.length, packed]}
-        key = _cache_key(model_config, keyed, seq_len, gbs)
+        key = _cache_key(workload, keyed)
         path = self.cache / f"{key}.json"
         if self.use_cache and path.is_file():
             try:
@@ -514,13 +515,7 @@ class TracedEstimator(Estimator):
             except (OSError, ValueError):
                 pass
         parts = trace_step(
-            model_config,
-            {**traced_cfg, **_ds_flags(config)},
-            seq_len,
-            gbs,
-            cuda=cuda,
-            shape=shape,
-            packed=packed,
+            workload, {**traced_cfg, **_ds_flags(config)}, shape=shape, packed=packed
         )
         if self.use_cache:
             self.cache.mkdir(parents=True, exist_ok=True)
@@ -529,25 +524,10 @@ class TracedEstimator(Estimator):
             tmp.replace(path)
         return parts
 
-    def estimate(
-        self,
-        model_config: dict[str, Any],
-        config: dict[str, Any],
-        *,
-        seq_len: int,
-        global_batch_size: int,
-        nproc: int = 1,
-        gpu: GpuSpec | None = None,
-        documents: Documents | None = None,
-    ) -> Estimate:
-        parts = self.traced_parts(
-            model_config,
-            config,
-            seq_len,
-            global_batch_size,
-            cuda=gpu is not None,
-            documents=documents,
-        )
+    def estimate(self, workload: Workload, config: dict[str, Any]) -> Estimate:
+        model_config, nproc, gpu = workload.model_config, workload.processes, workload.device
+        global_batch_size = workload.global_batch_sequences
+        parts = self.traced_parts(workload, config)
         notes: list[str] = []
         st = stats_of(model_config)
         if st.experts:
@@ -566,34 +546,23 @@ class TracedEstimator(Estimator):
                 f"{TRACED_ATTENTION[attn_implementation(config)]}, which keeps the same tensors"
             )
         _, accum = micro_and_accumulation(config, global_batch_size, strict=False)
-        states = estimator_states(model_config, config, nproc, global_batch_size, gpu)
-        largest = micro_shapes(config, seq_len, global_batch_size, documents, nproc)[0]
+        states = estimator_states(workload, config)
+        largest = micro_shapes(
+            config, workload.seq_len_tokens, global_batch_size, workload.documents, nproc
+        )[0]
 
         def analytical_peak(cfg: Mapping[str, Any]) -> int:
             from autotune.estimator.analytical import AnalyticalEstimator
 
-            return (
-                AnalyticalEstimator()
-                .estimate(
-                    model_config,
-                    dict(cfg),
-                    seq_len=seq_len,
-                    global_batch_size=global_batch_size,
-                    nproc=nproc,
-                    gpu=gpu,
-                    documents=documents,
-                )
-                .peak_bytes
-            )
+            return AnalyticalEstimator().estimate(workload, dict(cfg)).peak_bytes
 
         step = TraceStep(
             config=config,
             stats=st,
             formulas=FORMULAS,
             states=states,
-            nproc=nproc,
+            workload=workload,
             accum=accum,
-            cuda=gpu is not None,
             tokens=largest.rows * largest.length,
             parts=parts,
             roles=PARTS,
@@ -610,17 +579,7 @@ class TracedEstimator(Estimator):
         host = host_with_activations(states.host, offloaded, nproc, gpu, notes)
         est = Estimate(int(peak), breakdown, method=self.name, notes=notes, host_breakdown=host)
         if gpu is not None:
-            roofline(
-                est,
-                model_config,
-                config,
-                seq_len,
-                global_batch_size,
-                nproc,
-                gpu,
-                offloaded,
-                documents=documents,
-            )
+            roofline(est, workload, config, offloaded)
         return est
 
 

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from autotune.availability import Hardware
 from autotune.estimator.gpus import gpu_spec
 from autotune.estimator.traced import TracedEstimator
+from autotune.estimator.workload import Workload
 from autotune.models import MODELS, stats_of
 from autotune.space import SearchSpace
 
@@ -67,12 +68,14 @@ def main() -> None:
     rows = []
     for n, c in enumerate(space.grid(), 1):
         e = est.estimate(
-            entry.config,
+            Workload(
+                entry.config,
+                seq_len_tokens=entry.seq_len,
+                global_batch_sequences=entry.global_batch_size,
+                processes=NPROC,
+                gpu=gpu,
+            ),
             c,
-            seq_len=entry.seq_len,
-            global_batch_size=entry.global_batch_size,
-            nproc=NPROC,
-            gpu=gpu,
         )
         build = construction_bytes(entry.config, c)
         step_s = e.step_time_s

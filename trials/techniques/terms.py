@@ -74,16 +74,14 @@ class MemoryStep:
     stats: Any
     formulas: Formulas
     #: ``autotune.estimator.states.ModelStates``: the model states by formula
+    #: what is trained and on what (``autotune.estimator.workload.Workload``)
+    workload: Any
     states: Any
-    cuda: bool
-    nproc: int
     accum: int
     #: the largest micro-batch: rows and positions per row
     micro: int
     length: int
     tokens: int
-    #: variable-length data (``trials.data.Documents``)
-    documents: bool
     half: bool  # 16-bit compute (bf16/fp16)
     model16: bool  # the model itself in 16 bits (no autocast copies of its weights)
     pure: bool  # pure bf16 outside DeepSpeed
@@ -129,6 +127,20 @@ class MemoryStep:
     notes: list[str] = field(default_factory=list)
 
     @property
+    def cuda(self) -> bool:
+        """A GPU's step (else the CPU trial backend's)."""
+        return bool(self.workload.gpu is not None)
+
+    @property
+    def nproc(self) -> int:
+        return int(self.workload.processes)
+
+    @property
+    def documents(self) -> bool:
+        """Variable-length data (``trials.data.Documents``)."""
+        return self.workload.documents is not None
+
+    @property
     def grads_before(self) -> int:
         """The gradients accumulated over earlier micro-batches, held in forward."""
         return self.grads if self.accum > 1 else 0
@@ -155,8 +167,8 @@ class SpeedStep:
 
     config: Config
     stats: Any  # autotune.models.ModelStats
-    gpu: Any  # autotune.estimator.gpus.GpuSpec
-    nproc: int
+    #: what is trained and on what (``autotune.estimator.workload.Workload``)
+    workload: Any
     accum: int
     tokens: int  # positions per micro-batch
     seq_len: int
@@ -169,8 +181,6 @@ class SpeedStep:
     layer_act_bytes: int  # what one layer keeps for backward
     elementwise_passes: float
     offloaded_activations: int  # bytes per micro-batch moved to the host and back
-    #: the data has variable-length rows (packed or padded: attention is given a mask)
-    documents: bool
     mm_params: int  # the matmuls' weights a token meets (the linears, the LM head)
     #: the attention products' forward FLOPs, every score computed (QK^T and PV)
     attn_flops: float
@@ -203,6 +213,20 @@ class SpeedStep:
     offload: float = 0.0
     activation_copies: float = 0.0
     optimizer_extra: float = 0.0  # seconds the optimizer's step spends beyond its bytes
+
+    @property
+    def gpu(self) -> Any:
+        """The GPU priced (``autotune.estimator.gpus.GpuSpec``), spanning the nodes."""
+        return self.workload.device
+
+    @property
+    def nproc(self) -> int:
+        return max(1, int(self.workload.processes))
+
+    @property
+    def documents(self) -> bool:
+        """The data has variable-length rows (packed or padded: attention is given a mask)."""
+        return self.workload.documents is not None
 
     @property
     def elementwise(self) -> float:
@@ -250,10 +274,10 @@ class TraceStep:
     config: Config
     stats: Any  # autotune.models.ModelStats
     formulas: Formulas
+    #: what is trained and on what (``autotune.estimator.workload.Workload``)
+    workload: Any
     states: Any  # autotune.estimator.states.ModelStates
-    nproc: int
     accum: int
-    cuda: bool
     tokens: int  # the largest micro-batch's positions
     parts: Mapping[str, int]
     roles: tuple[str, ...]  # the breakdown's roles (``autotune.estimator.base.PARTS``)
@@ -263,6 +287,14 @@ class TraceStep:
     #: the analytical estimator's peak for a config of the same workload
     analytical_peak: Callable[[Config], int]
     taken: bool = False
+
+    @property
+    def nproc(self) -> int:
+        return int(self.workload.processes)
+
+    @property
+    def cuda(self) -> bool:
+        return bool(self.workload.gpu is not None)
 
     def net(self, prefix: str = "") -> tuple[int, dict[str, int]]:
         """A traced peak (``prefix`` as in ``parts``) and its breakdown, less the trace's
