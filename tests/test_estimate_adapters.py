@@ -22,6 +22,7 @@ import pytest
 from autotune.estimate_backend import estimate_space, hardware_for
 from autotune.estimator.gpus import GPUS
 from autotune.estimator.traced import TracedEstimator
+from autotune.estimator.workload import Workload
 from autotune.models import MODELS
 from autotune.space import SearchSpace
 from autotune.yaml_limits import parse_yaml
@@ -129,10 +130,13 @@ def test_run_estimate_answers_llama7b_on_24gb_with_a_lora_configuration(
     assert parts["gradients"] == 4 * trainable
     assert parts["optimizer_states"] == 8 * trainable
     # the whole peak against the step traced on fake tensors
-    traced = TracedEstimator(cache=in_tmp / "traced").estimate(
-        MODELS["llama-7b"].config, config, seq_len=2048, global_batch_size=32, nproc=1,
+    workload = Workload(
+        MODELS["llama-7b"].config,
+        seq_len_tokens=2048,
+        global_batch_sequences=32,
         gpu=GPUS["rtx4090"],
-    )  # fmt: skip
+    )
+    traced = TracedEstimator(cache=in_tmp / "traced").estimate(workload, config)
     assert abs(attrs["peak_bytes"] - traced.peak_bytes) <= 0.05 * traced.peak_bytes, (
         attrs["peak_bytes"],
         traced.peak_bytes,

@@ -279,9 +279,8 @@ def test_the_8bit_rung_is_torchaos_adamw8bit_with_its_compiled_step_temporaries(
     norms = (2 * layers + 1) * [h]
     states = sum(2 * (n + 4 * (n // 256) + 4 * 256) for n in matrices) + sum(4 * n for n in norms)
     model, gpu = MODELS[row.model].config, GPUS[row.gpu]
-    est = AnalyticalEstimator().estimate(
-        model, row.config, seq_len=row.seq, global_batch_size=2, gpu=gpu
-    )
+    workload = Workload(model, seq_len_tokens=row.seq, global_batch_sequences=2, gpu=gpu)
+    est = AnalyticalEstimator().estimate(workload, row.config)
     assert est.breakdown["optimizer_states"] == states
     assert est.breakdown["temporaries"] == 2 * 4 * vocab * h
     errors = {}

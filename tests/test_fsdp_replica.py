@@ -19,6 +19,7 @@ import pytest
 
 from autotune.estimator.analytical import AnalyticalEstimator
 from autotune.estimator.traced import TracedEstimator
+from autotune.estimator.workload import Workload
 from trials.job import run_trial
 from trials.spec import TrialSpec
 
@@ -77,14 +78,15 @@ def test_both_estimators_peaks_are_the_measured_one(
         )
     )
     assert measured.status == "ok", measured.error
-    est = AnalyticalEstimator().estimate(model, dict(CONFIG), nproc=1, gpu=None, **kw)
+    workload = Workload(model, seq_len_tokens=seq_len, global_batch_sequences=32)  # on the CPU
+    est = AnalyticalEstimator().estimate(workload, dict(CONFIG))
     assert f"peak at {moment}" in est.notes
     assert abs(est.peak_bytes - measured.peak_bytes) <= 0.03 * measured.peak_bytes, (
         est.peak_bytes,
         measured.peak_bytes,
         est.breakdown,
     )
-    traced = TracedEstimator(cache=tmp_path).estimate(model, dict(CONFIG), nproc=1, gpu=None, **kw)
+    traced = TracedEstimator(cache=tmp_path).estimate(workload, dict(CONFIG))
     assert abs(traced.peak_bytes - measured.peak_bytes) <= 0.03 * measured.peak_bytes, (
         traced.peak_bytes,
         measured.peak_bytes,
