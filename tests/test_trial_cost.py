@@ -307,3 +307,81 @@ def test_a_derived_time_limit_is_hit_and_recorded_through_the_cli(
         assert len(trial.user_attrs["losses"]) == 2 + steps
     said = [x for x in proc.stdout.splitlines() if x.startswith("trial #1: predicted step")]
     assert [x.split(": ", 2)[2] for x in said] == ([line] if line else []), proc.stdout
+
+
+def test_a_choice_of_a_trial_killed_at_its_limit_slows_the_next_trial_s_prediction_in_the_cli(
+    tmp_path: Path,
+) -> None:
+    """A tiny-llama study: the reference measured at its predicted step (a ratio of 1), and
+    (full, bf16) killed at a limit that implies a step of 600,000 s. The next trial, (off,
+    bf16), shares bf16 with the killed one: predicted slow by bf16's ratio, it measures 3 steps
+    within the ceiling, and says so (priced by the study's ratio alone it would measure the
+    study's 6 in a moment)."""
+    url = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    study = make_study(url, "choice", DATA / "tiny_space.yaml", budget="1GB")
+    from autotune.space import SearchSpace
+    from autotune.study import reference_for, settings_of
+    from autotune.trial_cost import study_predictor
+
+    settings = settings_of(study)
+    space = SearchSpace.from_dict(study.user_attrs["settings"]["space"], "study")
+    reference = reference_for(space, settings)
+    assert (reference["gradient_checkpointing"], reference["precision"]) == ("off", "fp32")
+    predict = study_predictor(settings)
+    killed = {**reference, "gradient_checkpointing": "full", "precision": "bf16"}
+    for config, attrs, state in (
+        (
+            reference,
+            {
+                "role": "reference",
+                "status": "ok",
+                "step_time_s": 64 * 8 / predict(reference)[1],
+                "losses": [5.0, 4.9],
+                "peak_bytes": 1,
+            },
+            TrialState.COMPLETE,
+        ),
+        (
+            killed,
+            {
+                "status": "failed",
+                "error": "timed out after 3000000s",
+                "trial_timeout_s": 3e6,
+                "measured_steps": 3,
+            },
+            TrialState.FAIL,
+        ),
+    ):
+        study.enqueue_trial(space.params_for(config))
+        trial = study.ask()
+        assert space.sample(trial.suggest_categorical) == config  # type: ignore[arg-type]
+        for key, value in {"config": config, **attrs}.items():
+            trial.set_user_attr(key, value)
+        if state == TrialState.COMPLETE:
+            study.tell(trial, [1.0, 1.0])
+        else:
+            study.tell(trial, state=state)
+    study.set_user_attr("reference_losses", [5.0, 4.9])
+    nxt = {**reference, "precision": "bf16"}
+    study.enqueue_trial(space.params_for(nxt))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "400"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "autotune.cli", "resume", "--study", "choice", "--trials", "1",
+         "--trial-timeout", "300", "--storage", url],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout
+    trial = study.get_trials(deepcopy=False)[2]
+    assert trial.user_attrs["config"] == nxt
+    assert trial.user_attrs["status"] == "ok", trial.user_attrs.get("error")
+    assert (trial.user_attrs["measured_steps"], trial.user_attrs["trial_timeout_s"]) == (3, 300.0)
+    assert len(trial.user_attrs["losses"]) == 2 + 3
+    said = [x for x in proc.stdout.splitlines() if x.startswith("trial #2: predicted step")]
+    assert [x.split(": ", 2)[2] for x in said] == [
+        "3 measured steps instead of 6, time limit 300 s"
+    ], proc.stdout
