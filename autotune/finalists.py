@@ -9,18 +9,29 @@ minute of the machine, or a drift over the whole re-measurement, hits every fina
 Their tokens/s are stored in the study's ``remeasured`` user attr (trial number -> list) and the
 selector (``autotune/selector.py``) decides among the re-measured configurations on these
 samples alone, with their range as the noise.
+
+Each re-measurement is bounded like a trial (``autotune.trial_cost``), from the finalist's own
+measured step rather than a prediction: as many measured steps as fit a minute of it (at least
+three, at most the trial's own), and a time limit of four times all its steps (within the
+study's floor and the trial's own limit).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import optuna
 
 from autotune.runner import TrialRunner
 from autotune.selector import GROUPS, rows_of
 from autotune.study import settings_of
-from autotune.trial_cost import MEASURED_STEPS_ATTR, TIMEOUT_ATTR
+from autotune.trial_cost import (
+    MEASURED_STEPS_ATTR,
+    TIMEOUT_ATTR,
+    measured_steps_for,
+    timeout_for,
+)
 
 #: re-measurement rounds per finalist, and the most finalists re-measured per class group
 CONFIRM_ROUNDS = 2
@@ -58,6 +69,30 @@ def order(numbers: list[int], rounds: int) -> list[tuple[int, int]]:
     return out
 
 
+def confirm_cost(
+    attrs: dict[str, Any],
+    most_steps: int,
+    warmup_steps: int,
+    ceiling_s: float | None,
+    floor_s: float,
+) -> tuple[int, float | None]:
+    """(measured steps, time limit) of one re-measurement of the trial whose user attrs are
+    ``attrs``: from its measured step (``step_time_s``) as ``trial_cost`` bounds a trial from a
+    predicted one, within its own steps (else ``most_steps``) and its own limit (else
+    ``ceiling_s``; None: the runner's)."""
+    own = attrs.get(MEASURED_STEPS_ATTR)
+    most = int(own) if isinstance(own, int) and own > 0 else most_steps
+    limit = attrs.get(TIMEOUT_ATTR)
+    ceiling = float(limit) if isinstance(limit, int | float) and limit > 0 else ceiling_s
+    step = attrs.get("step_time_s")
+    if not isinstance(step, int | float) or step <= 0:
+        return most, ceiling
+    steps = measured_steps_for(float(step), most)
+    if ceiling is None:
+        return steps, None
+    return steps, timeout_for(float(step), warmup_steps + steps, ceiling, min(floor_s, ceiling))
+
+
 def remeasure(
     study: optuna.Study,
     runner: TrialRunner,
@@ -76,9 +111,13 @@ def remeasure(
             if say is not None:
                 say(f"re-measuring the finalists side by side: #{n} ({k}/{len(runs)})")
             spec = settings.spec(trials[n]["config"], settings.budget_bytes)
-            # the steps and time limit the trial itself had (``autotune.trial_cost``)
-            spec.measured_steps = int(trials[n].get(MEASURED_STEPS_ATTR) or spec.measured_steps)
-            spec.timeout_s = trials[n].get(TIMEOUT_ATTR)
+            spec.measured_steps, spec.timeout_s = confirm_cost(
+                trials[n],
+                settings.measured_steps,
+                settings.warmup_steps,
+                getattr(runner, "timeout_s", None),
+                settings.trial_timeout_floor_s,
+            )
             result = runner.run(spec, f"confirm-{n}-{i}")
             ran += 1
             if result.status == "ok":

@@ -19,7 +19,14 @@ is bounded by design:
 The predicted step time is the estimator's (tokens of one step over its predicted tokens/s),
 calibrated to this machine (``Calibration``): by the median ratio of measured to predicted step
 time over the study's measured trials once there is one, before that by the device's prior (on
-a CPU, a matrix product timed here against the nominal rate the estimator assumes).
+a CPU, a matrix product timed here against the nominal rate the estimator assumes); then per
+choice (``Calibration.ratio_for``): the estimator prices choices alike that a device runs very
+differently (host offload on a CPU backend, where the "device" and the host are the same cores
+and the offloaded step runs a slower path), so each choice the configuration has that earlier
+trials had too gets the median ratio of those trials (a trial killed at its time limit counts
+with the least ratio its limit implies), and the slowest of them, over the study's median,
+scales the step. The slowest choice decides: a step predicted too slow costs a few measured
+steps, one predicted too fast costs a killed trial.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ from typing import Any
 
 import optuna
 from optuna.trial import TrialState
+
+from autotune.runner import TIMEOUT_ERROR
 
 #: predicted seconds the measured steps of one trial may take before fewer are measured
 MEASURE_BUDGET_S = 60.0
@@ -152,10 +161,13 @@ class Calibration:
         predict: Predictor,
         tokens_per_step: float,
         prior: float | Callable[[], float] = 1.0,
+        warmup_steps: int = 0,
     ) -> None:
         self.predict = predict
         self.tokens_per_step = tokens_per_step
         self._prior = prior
+        #: steps a trial runs besides its measured ones (a killed trial's limit covered them too)
+        self.warmup_steps = warmup_steps
 
     def raw_step_s(self, config: Config) -> float | None:
         try:
@@ -182,9 +194,55 @@ class Calibration:
             self._prior = self._prior()
         return float(self._prior)
 
+    def observed(self, study: optuna.Study) -> list[tuple[Config, float]]:
+        """(configuration, measured / predicted step time) of each measured trial, and of each
+        trial killed at its time limit the least ratio that limit implies (the limit over the
+        predicted time of all the steps it was given)."""
+        out = []
+        for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.FAIL)):
+            a = t.user_attrs
+            config = a.get("config")
+            if not isinstance(config, dict) or a.get("duplicate_of") is not None:
+                continue
+            measured = a.get("step_time_s")
+            limit, steps = a.get(TIMEOUT_ATTR), a.get(MEASURED_STEPS_ATTR)
+            if t.state == TrialState.COMPLETE:
+                if a.get("status") != "ok" or not isinstance(measured, int | float):
+                    continue
+                if measured <= 0:
+                    continue
+                seconds = float(measured)
+            elif (
+                str(a.get("error", "")).startswith(TIMEOUT_ERROR)
+                and isinstance(limit, int | float)
+                and isinstance(steps, int)
+                and limit > 0
+                and steps > 0
+            ):
+                seconds = float(limit) / (steps + self.warmup_steps)
+            else:
+                continue
+            raw = self.raw_step_s(config)
+            if raw:
+                out.append((config, seconds / raw))
+        return out
+
+    def ratio_for(self, config: Config, study: optuna.Study) -> float:
+        """The study's ratio (``ratio``) scaled by the slowest choice of ``config``: for each of
+        its choices that observed trials (``observed``) had too, their median ratio over the
+        study's; the largest of these (none: 1)."""
+        base = self.ratio(study)
+        seen = self.observed(study)
+        factors = []
+        for key, value in config.items():
+            group = [r for c, r in seen if key in c and c[key] == value]
+            if group:
+                factors.append(statistics.median(group) / base)
+        return base * max(factors) if factors else base
+
     def step_s(self, config: Config, study: optuna.Study) -> float | None:
         raw = self.raw_step_s(config)
-        return None if raw is None else raw * self.ratio(study)
+        return None if raw is None else raw * self.ratio_for(config, study)
 
 
 class TrialCosts:
@@ -235,6 +293,7 @@ def study_costs(s: Any, ceiling_s: float, floor_s: float = TIMEOUT_FLOOR_S) -> T
                 study_predictor(s),
                 s.seq_len * s.global_batch_size * s.nproc,
                 (lambda: _cpu_nominal_flops() / cpu_matmul_flops()) if s.backend == "cpu" else 1.0,
+                s.warmup_steps,
             )
         except (KeyError, ValueError, NotImplementedError):
             calibration = None
