@@ -42,8 +42,8 @@ from __future__ import annotations
 import ast
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import optuna
@@ -53,8 +53,10 @@ from optuna.trial import FrozenTrial, TrialState
 
 from autotune.runner import TIMEOUT_ERROR
 from autotune.terminal import printable
-from trials.data import Documents
 from trials.techniques import TECHNIQUES, is_exact
+
+if TYPE_CHECKING:
+    from autotune.estimator.workload import Workload
 
 Config = dict[str, Any]
 #: config -> (predicted peak bytes, predicted tokens/s)
@@ -664,25 +666,14 @@ class AutotuneSampler(BaseSampler):
 CPU_PSEUDO_GPU_TFLOPS = 1.0
 
 
-def analytical_predictor(
-    model_config: dict[str, Any],
-    *,
-    seq_len: int,
-    global_batch_size: int,
-    nproc: int,
-    gpu_key: str | None,
-    nodes: int = 1,
-    documents: Documents | None = None,
-) -> Predictor:
-    """The analytical estimator's (peak, tokens/s) for a target GPU, or a nominal CPU."""
+def analytical_predictor(workload: Workload) -> Predictor:
+    """The analytical estimator's (peak, tokens/s) for the workload's GPU, or, where it names
+    none, a nominal CPU."""
     from autotune.estimator.analytical import AnalyticalEstimator
-    from autotune.estimator.gpus import GpuSpec, Machine, gpu_spec
-    from autotune.estimator.workload import Workload
+    from autotune.estimator.gpus import GpuSpec, Machine
 
-    gpu = (
-        gpu_spec(gpu_key)
-        if gpu_key
-        else GpuSpec(
+    if workload.gpu is None:
+        cpu = GpuSpec(
             key="cpu",
             name="CPU",
             memory_bytes=0,
@@ -694,18 +685,8 @@ def analytical_predictor(
             sm=(0, 0),
             machine=Machine(name="CPU", pcie_gbps=50.0, internode_gbps=12.5),
         )
-    )
-    if nodes > 1:
-        gpu = gpu.spanning(nodes, nproc // nodes)
+        workload = replace(workload, gpu=cpu)
     estimator = AnalyticalEstimator()
-    workload = Workload(
-        model_config=model_config,
-        seq_len_tokens=seq_len,
-        global_batch_sequences=global_batch_size,
-        processes=nproc,
-        gpu=gpu,  # spanning its nodes above
-        documents=documents,
-    )
 
     def predict(config: Config) -> tuple[float, float]:
         est = estimator.estimate(workload, config)

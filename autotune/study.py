@@ -33,7 +33,7 @@ from autotune.pending import Held, PendingResults
 from autotune.runner import TrialRunner
 from autotune.space import SearchSpace
 from autotune.terminal import printable
-from autotune.trial_cost import TrialCosts
+from autotune.trial_cost import TrialCosts, reference_for_cost, study_predictor
 from autotune.trial_cost import describe as describe_cost
 from trials.data import Documents
 from trials.spec import TrialResult, TrialSpec, tracked_steps, trial_documents
@@ -320,16 +320,7 @@ def least_memory_exact(space: SearchSpace, settings: StudySettings) -> dict[str,
     ZeRO-3 with both offloads, full checkpointing, micro-batch 1): if anything exact fits, it
     does. Ties go to the space's ``reference`` preferences, then to the first in grid order."""
     exact = space.restrict(("exact",)).grid()
-    from autotune.strategy import analytical_predictor  # numpy and the estimator: only here
-
-    predict = analytical_predictor(
-        settings.model_config,
-        seq_len=settings.seq_len,
-        global_batch_size=settings.global_batch_size,
-        nproc=settings.nproc,
-        gpu_key=settings.target_gpu or None,
-        documents=settings.trial_documents(),
-    )
+    predict = study_predictor(settings)
 
     def key(item: tuple[int, dict[str, Any]]) -> tuple[float, int, int]:
         i, config = item
@@ -343,8 +334,6 @@ def reference_for(space: SearchSpace, settings: StudySettings) -> dict[str, Any]
     """The study's loss reference: the exact configuration predicted to fit the budget with the
     shortest predicted step (``trial_cost.reference_for_cost``); its loss curve is the one every
     exact trial is compared with, and it is trained first, so its cost is the study's first."""
-    from autotune.trial_cost import reference_for_cost, study_predictor
-
     return reference_for_cost(
         space.restrict(("exact",)).grid(),
         study_predictor(settings),
@@ -945,21 +934,11 @@ class Objective:
 def _autotune_sampler(
     study: optuna.Study, space: SearchSpace, seed: int
 ) -> optuna.samplers.BaseSampler:
-    from autotune.availability import detected_gpu_key
-    from autotune.strategy import AutotuneSampler, analytical_predictor
+    from autotune.strategy import AutotuneSampler
 
     s = settings_of(study)
     # on a real GPU the prior is that GPU's spec (a card the table lacks keeps the nominal one)
-    gpu_key = s.target_gpu or (detected_gpu_key() if s.backend == "cuda" else None)
-    predict = analytical_predictor(
-        s.model_config,
-        seq_len=s.seq_len,
-        global_batch_size=s.global_batch_size,
-        nproc=s.nproc,
-        gpu_key=gpu_key,
-        nodes=s.nodes,
-        documents=s.trial_documents(),
-    )
+    predict = study_predictor(s)
     return AutotuneSampler(
         space.grid(), predict, s.budget_bytes, seed=seed, loss_tolerance=s.loss_tolerance
     )

@@ -301,16 +301,24 @@ def study_costs(s: Any, ceiling_s: float, floor_s: float = TIMEOUT_FLOOR_S) -> T
 
 
 def study_predictor(s: Any) -> Predictor:
-    """The analytical estimator's (peak, tokens/s) for the study's model and device."""
+    """The analytical estimator's (peak, tokens/s) for the study's workload: its target GPU,
+    else the GPU a CUDA study runs on (a card the table lacks, like a CPU study, gets the
+    nominal device)."""
     from autotune.availability import detected_gpu_key
+    from autotune.backends import backend_named
+    from autotune.estimator.gpus import gpu_spec
+    from autotune.estimator.workload import Workload
     from autotune.strategy import analytical_predictor
 
+    gpu_key = s.target_gpu or (detected_gpu_key() if backend_named(s.backend).cuda else None)
     return analytical_predictor(
-        s.model_config,
-        seq_len=s.seq_len,
-        global_batch_size=s.global_batch_size,
-        nproc=s.nproc,
-        gpu_key=s.target_gpu or (detected_gpu_key() if s.backend == "cuda" else None),
-        nodes=s.nodes,
-        documents=s.trial_documents(),
+        Workload(
+            model_config=s.model_config,
+            seq_len_tokens=s.seq_len,
+            global_batch_sequences=s.global_batch_size,
+            processes=s.nproc,
+            nodes=s.nodes,
+            gpu=gpu_spec(gpu_key) if gpu_key else None,
+            documents=s.trial_documents(),
+        )
     )

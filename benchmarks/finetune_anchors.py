@@ -376,18 +376,16 @@ def predict(row: Row) -> Prediction:
     model = MODELS[row.model].config
     gpu = GPUS[row.gpu]
     batch = int(row.config.get("micro_batch_size", 1))
-    est = AnalyticalEstimator().estimate(
-        Workload(
-            model,
-            seq_len_tokens=row.seq,
-            global_batch_sequences=batch,
-            gpu=gpu,
-            documents=row.documents,
-        ),
-        row.config,
+    workload = Workload(
+        model,
+        seq_len_tokens=row.seq,
+        global_batch_sequences=batch,
+        gpu=gpu,
+        documents=row.documents,
     )
+    est = AnalyticalEstimator().estimate(workload, row.config)
     budget = BUDGETS.get(row.label, gpu.memory_bytes)
-    paging = apply_budget(est, model, row.config, budget, gpu)
+    paging = apply_budget(est, workload, row.config, budget)
     why = not_expressible(row.config, row.gpu, batch)
     allocator = paging.allocator_peak if paging is not None else est.peak_bytes
     memory = allocator / GIB

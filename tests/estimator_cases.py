@@ -146,7 +146,7 @@ def output(case: dict[str, Any], traced: TracedEstimator) -> list[Any]:
     except ArithmeticError as e:  # a precision the GPU has no rate for (bf16 on a V100)
         return ["error", type(e).__name__]
     row = _row(est)
-    if apply_budget(est, model_config, case["config"], est.peak_bytes * 3 // 4, gpu):
+    if apply_budget(est, workload, case["config"], est.peak_bytes * 3 // 4):
         row.append(_row(est))
     return row
 

@@ -177,7 +177,7 @@ def test_offloaded_activations_note_and_whole_bytes() -> None:
     """Offloaded activations are named in the notes as the user reads them, and counted per
     machine in whole bytes: two CPU ranks' 1,000 B each."""
     notes: list[str] = []
-    host = host_with_activations({"offloaded states": 0}, 1_000, 2, None, notes)
+    host = host_with_activations({"offloaded states": 0}, 1_000, Workload(TINY, 64, 8, 2), notes)
     assert host == {"offloaded states": 0, "activations": 2_000}
     assert type(host["activations"]) is int
     assert notes == ["activations offloaded to host memory up to the output layer"]

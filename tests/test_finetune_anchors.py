@@ -66,7 +66,8 @@ def test_apply_budget_moves_the_spill_to_the_host_and_prices_its_transfer() -> N
     paged = paged_state_bytes(LLAMA31, {"optimizer": "paged_adamw_8bit"})
     peak = paged + 12 * gib
     est = Estimate(peak, {"optimizer_states": paged}, tokens_per_s=1000.0, step_time_s=4.0)
-    p = apply_budget(est, LLAMA31, {"optimizer": "paged_adamw_8bit"}, 20 * gib, GPUS["rtx4090"])
+    workload = Workload(LLAMA31, 2048, 2, gpu=GPUS["rtx4090"])
+    p = apply_budget(est, workload, {"optimizer": "paged_adamw_8bit"}, 20 * gib)
     assert p is not None
     spill = peak - 20 * gib
     assert est.peak_bytes == 20 * gib

@@ -4,6 +4,7 @@ a small enumerated space in fewer trials than the space has configurations."""
 from __future__ import annotations
 
 from autotune.availability import Hardware
+from autotune.estimator.workload import Workload
 from autotune.models import MODELS
 from autotune.space import SearchSpace
 from autotune.strategy import (
@@ -38,9 +39,7 @@ def test_finds_the_best_measured_config_in_fewer_trials_than_the_space() -> None
     assert 0 < len(fitting) < len(grid)  # the budget really cuts the space
     best = max(fitting, key=lambda k: fitting[k].tokens_per_s)
 
-    predict = analytical_predictor(
-        MODELS["tiny-llama"].config, seq_len=64, global_batch_size=8, nproc=1, gpu_key=None
-    )
+    predict = analytical_predictor(Workload(MODELS["tiny-llama"].config, 64, 8))
     sampler = AutotuneSampler(grid, predict, BUDGET)
     history: list[Observation] = []
     while True:

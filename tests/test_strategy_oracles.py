@@ -462,12 +462,10 @@ def _estimated(config: Config, gpu: GpuSpec, nproc: int) -> tuple[float, float]:
 
 
 def test_the_predictor_is_the_estimator_for_the_named_gpu() -> None:
-    """gpu_key names the GPU the estimator prices, and the ranks are passed on; without nodes
-    the ranks share one node (no spanning)."""
+    """The workload's GPU is the one the estimator prices, and the ranks are passed on; without
+    nodes the ranks share one node (no spanning)."""
     for nproc in (1, 2):
-        predict = analytical_predictor(
-            TINY, seq_len=64, global_batch_size=4, nproc=nproc, gpu_key="h100"
-        )
+        predict = analytical_predictor(Workload(TINY, 64, 4, nproc, gpu=gpu_spec("h100")))
         for config in CONFIGS:
             assert predict(config) == _estimated(config, gpu_spec("h100"), nproc)
             assert predict(config)[1] > 0
@@ -478,7 +476,7 @@ def test_nodes_price_the_gpu_spanning_them() -> None:
     estimator given ``gpu_spec(key).spanning(nodes, nproc // nodes)``)."""
     for nproc, nodes in ((4, 2), (6, 4)):
         predict = analytical_predictor(
-            TINY, seq_len=64, global_batch_size=4, nproc=nproc, gpu_key="a100-80gb", nodes=nodes
+            Workload(TINY, 64, 4, nproc, nodes=nodes, gpu=gpu_spec("a100-80gb"))
         )
         spec = gpu_spec("a100-80gb").spanning(nodes, nproc // nodes)
         for config in CONFIGS:
@@ -487,8 +485,8 @@ def test_nodes_price_the_gpu_spanning_them() -> None:
 
 
 def test_the_cpu_prior_gives_every_precision_one_nominal_rate() -> None:
-    """The CPU prior (gpu_key None) is a nominal device: 1 TFLOPS in every precision, 50 GB/s of
-    memory and host link, no NVLink (the estimator given that spec explicitly)."""
+    """The CPU prior (a workload without a GPU) is a nominal device: 1 TFLOPS in every precision,
+    50 GB/s of memory and host link, no NVLink (the estimator given that spec explicitly)."""
     cpu = GpuSpec(
         key="nominal",
         name="a CPU",
@@ -502,8 +500,6 @@ def test_the_cpu_prior_gives_every_precision_one_nominal_rate() -> None:
         machine=Machine(name="a CPU's", pcie_gbps=50.0, internode_gbps=12.5),
     )
     for nproc in (1, 2):
-        predict = analytical_predictor(
-            TINY, seq_len=64, global_batch_size=4, nproc=nproc, gpu_key=None
-        )
+        predict = analytical_predictor(Workload(TINY, 64, 4, nproc))
         for config in CONFIGS:
             assert predict(config) == _estimated(config, cpu, nproc)

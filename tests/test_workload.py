@@ -15,7 +15,8 @@ from autotune.models import MODELS
 ROOT = Path(__file__).resolve().parent.parent
 
 #: the modules whose functions take a workload (the formula libraries, states.py apart from
-#: ``estimator_states``, activations.py and paging.py, take a step's derived figures instead)
+#: ``estimator_states`` and activations.py, take the model and a step's derived figures instead:
+#: ``model_states(model_cfg, config, nproc, nodes=...)`` as DeepSpeed's own estimators do)
 ENTRY_POINTS = [
     "autotune/estimator/base.py",
     "autotune/estimator/analytical.py",
@@ -25,6 +26,9 @@ ENTRY_POINTS = [
     "autotune/estimator/prediction_runners.py",
     "autotune/estimator/formulas.py",
     "autotune/estimate_backend.py",
+    "autotune/estimator/paging.py",
+    "autotune/strategy.py",
+    "autotune/trial_cost.py",
 ]
 
 #: parameter names of the bundle's parts (those of the model config, the data and the machines)

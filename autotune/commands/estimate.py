@@ -137,7 +137,7 @@ def estimate_cmd(
             ("traced", traced.estimate(workload, config)),
         ]
         for _, est in rows:  # a paged optimizer's states beyond the budget on the host
-            apply_budget(est, entry.config, config, budget_bytes, spec)
+            apply_budget(est, workload, config, budget_bytes)
         console.print(breakdown_table(rows, budget_bytes, f"{entry.name}: {describe(config)}"))
         for note in rows[1][1].notes:
             console.print(f"[dim]{note}[/dim]")

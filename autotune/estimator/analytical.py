@@ -183,7 +183,7 @@ class AnalyticalEstimator(Estimator):
                 breakdown = {**held, "activations": a, "logits/loss": lg}
         host_acts = step.host_acts
         notes = [f"peak at {where}", *states.notes]
-        host = host_with_activations(states.host, host_acts, nproc, gpu, notes)
+        host = host_with_activations(states.host, host_acts, workload, notes)
         est = Estimate(int(peak), breakdown, method=self.name, notes=notes, host_breakdown=host)
         if gpu is not None:
             roofline(est, workload, config, host_acts)

@@ -53,7 +53,7 @@ def score(
     out: list[Scored] = []
     for config in configs:
         e = est.estimate(workload, config)
-        apply_budget(e, workload.model_config, config, budget_bytes, workload.device)
+        apply_budget(e, workload, config, budget_bytes)
         why = ""
         if e.peak_bytes > budget_bytes:
             why = "device memory"

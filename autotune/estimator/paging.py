@@ -34,6 +34,7 @@ from typing import Any
 from autotune.estimator.base import Estimate
 from autotune.estimator.gpus import GB, GpuSpec
 from autotune.estimator.speed import PCIE_EFFICIENCY
+from autotune.estimator.workload import Workload
 from autotune.models import stats_of
 from trials.techniques import OPTIMIZERS
 from trials.techniques.adapter import adapts
@@ -90,16 +91,12 @@ def page(peak: int, paged: int, budget: int) -> Paging:
 
 
 def apply_budget(
-    est: Estimate,
-    model_config: dict[str, Any],
-    config: dict[str, Any],
-    budget: int,
-    gpu: GpuSpec | None,
+    est: Estimate, workload: Workload, config: dict[str, Any], budget: int
 ) -> Paging | None:
-    """Rewrite an estimate made with every state resident for a paged optimizer under
-    ``budget``: its peak, the host memory of the spilled states and the step's migration time.
-    None when the optimizer is not paged."""
-    paged = paged_state_bytes(model_config, config)
+    """Rewrite an estimate of ``workload`` made with every state resident for a paged optimizer
+    under ``budget``: its peak, the host memory of the spilled states and the step's migration
+    time. None when the optimizer is not paged."""
+    paged = paged_state_bytes(workload.model_config, config)
     if not paged:
         return None
     p = page(est.peak_bytes, paged, budget)
@@ -115,6 +112,7 @@ def apply_budget(
         f"paged optimizer states: {p.on_host / 2**30:.1f} GiB of {p.paged / 2**30:.1f} GiB in host"
         " memory, migrated each step"
     )
+    gpu = workload.device
     if gpu is not None and est.step_time_s > 0:
         extra = p.seconds(gpu)
         est.tokens_per_s *= est.step_time_s / (est.step_time_s + extra)

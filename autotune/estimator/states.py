@@ -39,7 +39,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from autotune.estimator.gpus import GpuSpec
 from autotune.estimator.workload import Workload
 from autotune.models import ModelStats, stats_of
 from trials.techniques import OPTIMIZERS, setting
@@ -805,14 +804,16 @@ def estimator_states(workload: Workload, config: dict[str, Any]) -> ModelStates:
 
 
 def host_with_activations(
-    host: dict[str, int], per_rank: int, nproc: int, gpu: GpuSpec | None, notes: list[str]
+    host: dict[str, int], per_rank: int, workload: Workload, notes: list[str]
 ) -> dict[str, int]:
-    """``host`` (per machine) plus the activations each of its ranks offloads (``per_rank``
-    bytes), noted in ``notes``; both estimators count them so."""
+    """``host`` (per machine) plus the activations each of the workload's ranks on a machine
+    offloads (``per_rank`` bytes), noted in ``notes``; both estimators count them so."""
     if not per_rank:
         return dict(host)
     notes.append("activations offloaded to host memory up to the output layer")
-    return {**host, "activations": per_rank * max(1, nproc // (gpu.nodes if gpu else 1))}
+    gpu = workload.device
+    ranks = max(1, workload.processes // (gpu.nodes if gpu else 1))
+    return {**host, "activations": per_rank * ranks}
 
 
 #: (id of ModelStats, LoRA rank) -> (quantized params, LoRA shapes); see ``_STATE_BYTES``

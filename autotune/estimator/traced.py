@@ -576,7 +576,7 @@ class TracedEstimator(Estimator):
         TECHNIQUES.traced_terms(step)
         peak, breakdown = step.peak, step.breakdown
         offloaded = parts.get("host_activations", 0)
-        host = host_with_activations(states.host, offloaded, nproc, gpu, notes)
+        host = host_with_activations(states.host, offloaded, workload, notes)
         est = Estimate(int(peak), breakdown, method=self.name, notes=notes, host_breakdown=host)
         if gpu is not None:
             roofline(est, workload, config, offloaded)
